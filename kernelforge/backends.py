@@ -1,0 +1,165 @@
+"""Which implementations exist for each op, which one runs, and why.
+
+Each op registers its implementations here (from its module in `kernelforge.ops`).
+An implementation is a backend name, a loader for its launcher (imported lazily, so
+`import kernelforge` pulls in neither Triton nor a compiler), and a predicate that says
+why it cannot take some inputs (None when it can).
+
+Policy, in order:
+1. A forced backend (`use_backend(...)` context, else the `KERNELFORGE_BACKEND`
+   environment variable) runs, or the call raises `BackendUnsupportedError` saying
+   why; it never falls back silently.
+2. Otherwise the op's preference rules pick the first backend, in the rule's
+   order, that supports the inputs. The rules are the fastest-first orders measured
+   on our GPUs (see `kernelforge/ops/<op>.py`); CPU inputs go to the reference.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Sequence
+
+BACKENDS = ("triton", "cuda", "reference")
+ENV_VAR = "KERNELFORGE_BACKEND"
+
+# Returns None when the implementation can take the inputs, else a reason in words.
+SupportPredicate = Callable[..., Optional[str]]
+# Returns the backend names to try, fastest first, and a reason for that order.
+PreferenceRule = Callable[..., "tuple[Sequence[str], str]"]
+
+
+class BackendUnsupportedError(RuntimeError):
+    """A forced backend cannot take the given inputs (or is not available here)."""
+
+
+@dataclass
+class Implementation:
+    op: str
+    backend: str
+    module: str  # dotted path of the module that holds the launchers
+    supports: SupportPredicate
+    _loaded: object = field(default=None, repr=False)
+
+    def launchers(self):
+        """The launcher module, imported on first use."""
+        if self._loaded is None:
+            self._loaded = importlib.import_module(self.module)
+        return self._loaded
+
+
+@dataclass(frozen=True)
+class Choice:
+    implementation: Implementation
+    reason: str
+
+    @property
+    def backend(self) -> str:
+        return self.implementation.backend
+
+
+_registry: dict[str, dict[str, Implementation]] = {}
+_preferences: dict[str, PreferenceRule] = {}
+_forced: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
+    "kernelforge_forced_backend", default=None
+)
+
+
+def register(op: str, backend: str, module: str, supports: SupportPredicate) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    _registry.setdefault(op, {})[backend] = Implementation(op, backend, module, supports)
+
+
+def set_preference(op: str, rule: PreferenceRule) -> None:
+    _preferences[op] = rule
+
+
+def implementations(op: str) -> dict[str, Implementation]:
+    try:
+        return _registry[op]
+    except KeyError:
+        raise KeyError(f"no op named {op!r} is registered; known ops: {sorted(_registry)}") from None
+
+
+def _validate(name: str, source: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"{source}: unknown backend {name!r}; expected one of {BACKENDS}")
+    return name
+
+
+@contextlib.contextmanager
+def use_backend(name: Optional[str]) -> Iterator[None]:
+    """Force every op inside the block onto one backend (None lifts the force).
+
+    A forced backend that cannot take an input raises instead of falling back.
+    """
+    token = _forced.set(None if name is None else _validate(name, "use_backend"))
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def forced_backend() -> Optional[str]:
+    """The backend forced by `use_backend`, else by KERNELFORGE_BACKEND, else None."""
+    name = _forced.get()
+    if name is not None:
+        return name
+    env = os.environ.get(ENV_VAR)
+    return _validate(env, ENV_VAR) if env else None
+
+
+def select(op: str, *inputs, **options) -> Choice:
+    """The implementation that runs `op` on these inputs, and why."""
+    impls = implementations(op)
+    forced = forced_backend()
+    if forced is not None:
+        impl = impls.get(forced)
+        if impl is None:
+            raise BackendUnsupportedError(
+                f"kernelforge.{op}: backend {forced!r} is forced but {op} has no {forced} "
+                f"implementation (it has: {', '.join(impls)})"
+            )
+        why_not = impl.supports(*inputs, **options)
+        if why_not is not None:
+            raise BackendUnsupportedError(
+                f"kernelforge.{op}: backend {forced!r} is forced but cannot run these inputs: {why_not}"
+            )
+        return Choice(impl, f"{forced} was forced")
+
+    order, why_order = _preferences[op](*inputs, **options)
+    rejected = []
+    for backend in order:
+        impl = impls.get(backend)
+        if impl is None:
+            continue
+        why_not = impl.supports(*inputs, **options)
+        if why_not is None:
+            skipped = "" if not rejected else " (skipped: " + "; ".join(rejected) + ")"
+            return Choice(impl, f"{why_order}{skipped}")
+        rejected.append(f"{backend}: {why_not}")
+    raise BackendUnsupportedError(
+        f"kernelforge.{op}: no implementation can run these inputs: " + "; ".join(rejected)
+    )
+
+
+def explain(op: str, *inputs, **options) -> str:
+    """One paragraph: which implementation would run `op` on these inputs and why,
+    and for every other backend whether it could."""
+    lines = []
+    try:
+        choice = select(op, *inputs, **options)
+        lines.append(f"{op}: runs on {choice.backend} because {choice.reason}.")
+        chosen = choice.backend
+    except BackendUnsupportedError as err:
+        lines.append(f"{op}: would raise: {err}")
+        chosen = None
+    for backend, impl in implementations(op).items():
+        if backend == chosen:
+            continue
+        why_not = impl.supports(*inputs, **options)
+        lines.append(f"  {backend}: " + ("could run these inputs" if why_not is None else f"cannot: {why_not}"))
+    return "\n".join(lines)

@@ -1,0 +1,47 @@
+"""CUDA C++ kernels: JIT-built extensions and the Python objects around them.
+
+    from kernelforge.cuda import get_cuda_compiler, get_cuda_softmax
+    module = get_cuda_compiler().compile_from_file("softmax_cuda.cu", "my_softmax")
+    softmax = get_cuda_softmax()          # a SoftMaxOp over the last dimension
+    y = softmax.forward(x); dx = softmax.backward(dy, y)
+
+Importing this package builds nothing; extensions are built on first use (or ahead of
+time with `kernelforge build`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from kernelforge.cuda.compiler import EXTENSIONS, CUDABuildError, CUDACompiler, get_cuda_compiler
+
+
+def why_unavailable(extension: Optional[str] = None) -> Optional[str]:
+    """None when CUDA kernels can run here, else why not (no CUDA torch, no GPU, no nvcc,
+    or `extension` already failed to build in this process)."""
+    from kernelforge.cuda.compiler import why_toolchain_unavailable
+
+    reason = why_toolchain_unavailable()
+    if reason is None and extension is not None:
+        failure = get_cuda_compiler().failures.get(extension)
+        if failure is not None:
+            reason = f"the {extension} extension failed to build: {failure}"
+    return reason
+
+
+def get_cuda_softmax(log: bool = False):
+    """A SoftMaxOp (log-softmax with log=True) backed by the JIT-built CUDA extension."""
+    from kernelforge.cuda.softmax import get_cuda_softmax as _get
+
+    return _get(log)
+
+
+def __getattr__(name):  # SoftMaxOp without importing torch's extension machinery eagerly
+    if name == "SoftMaxOp":
+        from kernelforge.cuda.softmax import SoftMaxOp
+
+        return SoftMaxOp
+    raise AttributeError(name)
+
+
+__all__ = ["CUDABuildError", "CUDACompiler", "EXTENSIONS", "SoftMaxOp", "get_cuda_compiler",
+           "get_cuda_softmax", "why_unavailable"]

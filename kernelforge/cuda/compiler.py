@@ -1,0 +1,210 @@
+"""JIT builds of the CUDA extensions, cached by source hash.
+
+Each extension is a plain-CUDA kernel file (no torch headers: compiles anywhere nvcc
+exists) plus a thin binding file that talks to torch. `CUDACompiler` builds one with
+`torch.utils.cpp_extension.load` (ninja, -O3, architectures from TORCH_CUDA_ARCH_LIST or
+the visible GPUs) into a directory named by a hash of everything that affects the binary:
+the sources and headers, the flags, the architectures, and the torch / CUDA / Python
+versions. A process that finds the built library there imports it directly, so a second
+process compiles nothing and does not even run ninja.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+CACHE_ENV = "KERNELFORGE_CACHE_DIR"
+HEADER_SUFFIXES = (".h", ".cuh")
+
+
+@dataclass(frozen=True)
+class Extension:
+    """One loadable module: its sources (file names in csrc/), kernel file first."""
+
+    name: str
+    sources: tuple[str, ...]
+
+
+# Every extension the package ships; `kernelforge build` prebuilds all of them.
+EXTENSIONS: dict[str, Extension] = {
+    "softmax": Extension("softmax", ("softmax_cuda.cu", "softmax_binding.cpp")),
+}
+
+
+class CUDABuildError(RuntimeError):
+    """An extension failed to build; the message carries the compiler's output."""
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get(CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "kernelforge"
+    )
+    return Path(root) / "cuda"
+
+
+def visible_arch_list() -> str:
+    """TORCH_CUDA_ARCH_LIST if set, else the compute capabilities of the visible GPUs
+    ("9.0" on an H100), so nothing is compiled for GPUs that are not here."""
+    env = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if env:
+        return env
+    if not torch.cuda.is_available():
+        raise CUDABuildError("no CUDA GPU is visible and TORCH_CUDA_ARCH_LIST is not set: no architecture to build for")
+    caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+    return ";".join(f"{major}.{minor}" for major, minor in caps)
+
+
+def why_toolchain_unavailable() -> Optional[str]:
+    """None when CUDA extensions can be built and run here, else the reason."""
+    if torch.version.cuda is None:
+        return f"this torch build ({torch.__version__}) has no CUDA support"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible"
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME is None:
+        return "no CUDA toolkit found (nvcc); set CUDA_HOME"
+    return None
+
+
+@contextlib.contextmanager
+def _env(**values: str):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _import_library(module_name: str, path: Path) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader(module_name, str(path))
+    spec = importlib.util.spec_from_file_location(module_name, str(path), loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    sys.modules[module_name] = module
+    return module
+
+
+class CUDACompiler:
+    """Builds and loads CUDA extensions from a source directory into a hashed cache."""
+
+    def __init__(
+        self,
+        source_dir: Path | str = CSRC,
+        cache_dir: Path | str | None = None,
+        extra_cuda_cflags: Sequence[str] = (),
+        verbose: bool = False,
+    ):
+        self.source_dir = Path(source_dir)
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.verbose = verbose
+        debug = os.environ.get("KERNELFORGE_DEBUG") == "1"
+        self.cflags = ["-O3", "-std=c++17"] + (["-g"] if debug else [])
+        self.cuda_cflags = ["-O3", "-std=c++17"] + (["-g", "-lineinfo"] if debug else []) + list(extra_cuda_cflags)
+        self._loaded: dict[str, ModuleType] = {}
+        self._lock = threading.Lock()
+        # name -> first line of the error of a build that failed in this process, so the
+        # backend registry stops choosing that extension instead of failing every call.
+        self.failures: dict[str, str] = {}
+
+    # -- public API ------------------------------------------------------------------
+    def compile_from_file(self, filename: str, name: Optional[str] = None) -> ModuleType:
+        """Build the extension whose kernel file is `filename` (e.g. "softmax_cuda.cu"),
+        together with its binding file, as a module named after `name`."""
+        for ext in EXTENSIONS.values():
+            if filename in ext.sources:
+                return self.compile(name or ext.name, ext.sources)
+        known = sorted(s for e in EXTENSIONS.values() for s in e.sources)
+        raise FileNotFoundError(f"{filename!r} is not a source of any kernelforge extension; known: {known}")
+
+    def load(self, extension: str) -> ModuleType:
+        """The module of a named extension (see EXTENSIONS), built on first use."""
+        try:
+            ext = EXTENSIONS[extension]
+        except KeyError:
+            raise KeyError(f"unknown CUDA extension {extension!r}; known: {sorted(EXTENSIONS)}") from None
+        return self.compile(ext.name, ext.sources)
+
+    def compile(self, name: str, sources: Iterable[str]) -> ModuleType:
+        """Build (or load from the cache) a module from `sources`, file names in source_dir."""
+        paths = [self.source_dir / s for s in sources]
+        for p in paths:
+            if not p.is_file():
+                raise FileNotFoundError(f"CUDA source {p} does not exist")
+        archs = visible_arch_list()
+        key = self.cache_key(paths, archs)
+        module_name = f"{name}_{key[:16]}"
+        with self._lock:
+            if module_name in self._loaded:
+                return self._loaded[module_name]
+            build_dir = self.cache_dir / module_name
+            library = build_dir / f"{module_name}.so"
+            if library.is_file():
+                module = _import_library(module_name, library)
+            else:
+                try:
+                    module = self._build(module_name, paths, build_dir, archs)
+                except CUDABuildError as err:
+                    self.failures[name] = str(err).splitlines()[0]
+                    raise
+            self._loaded[module_name] = module
+            return module
+
+    def cache_key(self, paths: Sequence[Path], archs: str) -> str:
+        h = hashlib.sha256()
+        headers = sorted(p for p in self.source_dir.iterdir() if p.suffix in HEADER_SUFFIXES)
+        for p in list(paths) + headers:
+            h.update(p.name.encode())
+            h.update(p.read_bytes())
+        for part in (
+            archs, " ".join(self.cflags), " ".join(self.cuda_cflags), torch.__version__,
+            str(torch.version.cuda), sys.version.split()[0],
+        ):
+            h.update(b"\0" + part.encode())
+        return h.hexdigest()
+
+    # -- building --------------------------------------------------------------------
+    def _build(self, module_name: str, paths: Sequence[Path], build_dir: Path, archs: str) -> ModuleType:
+        reason = why_toolchain_unavailable()
+        if reason is not None:
+            raise CUDABuildError(f"cannot build CUDA extension {module_name}: {reason}")
+        from torch.utils.cpp_extension import load
+
+        build_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            with _env(TORCH_CUDA_ARCH_LIST=archs):
+                return load(
+                    name=module_name,
+                    sources=[str(p) for p in paths],
+                    extra_cflags=self.cflags,
+                    extra_cuda_cflags=self.cuda_cflags,
+                    extra_include_paths=[str(self.source_dir)],
+                    build_directory=str(build_dir),
+                    verbose=self.verbose,
+                )
+        except Exception as err:  # torch raises RuntimeError with ninja's output
+            raise CUDABuildError(f"building CUDA extension {module_name} in {build_dir} failed:\n{err}") from err
+
+
+@functools.lru_cache(maxsize=None)
+def get_cuda_compiler() -> CUDACompiler:
+    """The process-wide compiler (default source and cache directories)."""
+    return CUDACompiler()

@@ -1,0 +1,42 @@
+"""Input checks and layout helpers shared by the op modules.
+
+Checks use `torch._check*` so they hold for real tensors, in fake implementations and
+under torch.compile alike, and each message says which argument, what was expected,
+and what was given.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+GPU_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FLOAT_DTYPES = GPU_FLOAT_DTYPES + (torch.float64,)
+
+
+def check_floating(op: str, name: str, t: torch.Tensor, dtypes: Sequence[torch.dtype] = FLOAT_DTYPES) -> None:
+    torch._check_type(
+        t.dtype in dtypes,
+        lambda: f"kernelforge.{op}: {name} must have dtype in "
+        f"({', '.join(str(d).removeprefix('torch.') for d in dtypes)}), got {t.dtype}",
+    )
+
+
+def normalize_dim(op: str, name: str, dim: int, ndim: int) -> int:
+    """dim in [-ndim, ndim) -> [0, ndim); a 0-dim tensor accepts dim 0 and -1, as torch does."""
+    rank = max(ndim, 1)
+    torch._check_index(
+        -rank <= dim < rank,
+        lambda: f"kernelforge.{op}: {name} out of range: expected in [{-rank}, {rank - 1}] "
+        f"for a tensor of rank {ndim}, got {dim}",
+    )
+    return dim % rank
+
+
+def check_same(op: str, what: str, names: Sequence[str], values: Sequence[object]) -> None:
+    """All of `values` (devices, dtypes, shapes) equal, else a message naming each argument."""
+    torch._check(
+        all(v == values[0] for v in values[1:]),
+        lambda: f"kernelforge.{op}: expected {', '.join(names)} to have the same {what}, got "
+        + ", ".join(f"{n}: {v}" for n, v in zip(names, values)),
+    )

@@ -1,0 +1,56 @@
+"""Softmax and log-softmax in plain PyTorch: the definition every backend must match.
+
+Accumulates in float32 (float64 for float64 input) and rounds once to the input dtype,
+so a low-precision result carries one rounding error, as a fused kernel's does.
+This is also the CPU implementation and, on float64 inputs, the test oracle.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def softmax(x: torch.Tensor, dim: int = -1, log: bool = False) -> torch.Tensor:
+    """softmax(x)_i = exp(x_i - max x) / sum_j exp(x_j - max x); log=True gives its log."""
+    xa = x.to(_accumulation_dtype(x.dtype))
+    shifted = xa - xa.amax(dim=dim, keepdim=True)
+    if log:
+        y = shifted - shifted.exp().sum(dim=dim, keepdim=True).log()
+    else:
+        e = shifted.exp()
+        y = e / e.sum(dim=dim, keepdim=True)
+    return y.to(x.dtype)
+
+
+def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return softmax(x, dim, log=True)
+
+
+def softmax_backward(
+    grad_output: torch.Tensor, output: torch.Tensor, dim: int = -1, log: bool = False
+) -> torch.Tensor:
+    """Gradient of (log-)softmax with respect to its input, from the forward output y.
+
+    softmax:     dx = y * (dy - sum(dy * y))
+    log_softmax: dx = dy - exp(y) * sum(dy)
+    """
+    acc = _accumulation_dtype(output.dtype)
+    gy, y = grad_output.to(acc), output.to(acc)
+    if log:
+        gx = gy - y.exp() * gy.sum(dim=dim, keepdim=True)
+    else:
+        gx = y * (gy - (gy * y).sum(dim=dim, keepdim=True))
+    return gx.to(output.dtype)
+
+
+# Row launchers: the interface every backend of the softmax op implements.
+# x2d is (rows, cols) with unit column stride; the result is a new dense (rows, cols) tensor.
+def softmax_forward_rows(x2d: torch.Tensor, log: bool) -> torch.Tensor:
+    return softmax(x2d, -1, log).contiguous()
+
+
+def softmax_backward_rows(grad2d: torch.Tensor, out2d: torch.Tensor, log: bool) -> torch.Tensor:
+    return softmax_backward(grad2d, out2d, -1, log).contiguous()

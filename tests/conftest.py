@@ -1,0 +1,37 @@
+import os
+import secrets
+
+import pytest
+import torch
+
+# Without a GPU, Triton kernels run through Triton's interpreter; it must be chosen
+# before Triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+HAS_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+def backend_cases(backends=("reference", "triton", "cuda")):
+    """(backend, device) pairs for parametrize: CPU cases run here (Triton through the
+    interpreter), CUDA cases are the GPU suite (-m gpu)."""
+    cases = []
+    for b in backends:
+        if b == "reference":
+            cases.append(pytest.param(b, "cpu", id="reference-cpu"))
+        elif b == "triton":
+            cases.append(pytest.param(b, "cpu", id="triton-cpu", marks=pytest.mark.skipif(
+                os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1")))
+        cases.append(pytest.param(b, "cuda", id=f"{b}-cuda", marks=[pytest.mark.gpu, needs_cuda]))
+    return cases
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed(request):
+    """Every test draws fresh random inputs; the seed is printed so a failure can be replayed
+    (KERNELFORGE_TEST_SEED=<seed>)."""
+    seed = int(os.environ.get("KERNELFORGE_TEST_SEED", secrets.randbits(31)))
+    torch.manual_seed(seed)
+    print(f"seed={seed}")
+    return seed
