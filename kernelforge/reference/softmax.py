@@ -16,13 +16,11 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 def softmax(x: torch.Tensor, dim: int = -1, log: bool = False) -> torch.Tensor:
     """softmax(x)_i = exp(x_i - max x) / sum_j exp(x_j - max x); log=True gives its log."""
     xa = x.to(_accumulation_dtype(x.dtype))
-    shifted = xa - xa.amax(dim=dim, keepdim=True)
+    shifted = xa - xa.amax(dim=dim, keepdim=True)  # a new tensor: the in-place ops below are safe
     if log:
-        y = shifted - shifted.exp().sum(dim=dim, keepdim=True).log()
-    else:
-        e = shifted.exp()
-        y = e / e.sum(dim=dim, keepdim=True)
-    return y.to(x.dtype)
+        return shifted.sub_(shifted.exp().sum(dim=dim, keepdim=True).log_()).to(x.dtype)
+    e = shifted.exp_()
+    return e.div_(e.sum(dim=dim, keepdim=True)).to(x.dtype)
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

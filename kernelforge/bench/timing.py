@@ -1,0 +1,79 @@
+"""Timing a function the way DESIGN.md's performance method says.
+
+On a GPU: CUDA events after warm-up, every run preceded by an L2 flush (a write over a
+buffer larger than L2) so no run is served from the previous run's cache; the median and
+20/80% quantiles over many runs. `back_to_back=True` instead times a loop of calls with
+no flush between them, which is what a small shape costs in a model: per-call Python and
+dispatcher overhead shows up there when the GPU outruns the CPU.
+On the CPU: perf_counter around each call, same statistics.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+L2_FLUSH_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    min_ms: float
+    max_ms: float
+    mean_ms: float
+    runs: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _summary(times_ms: list[float]) -> Timing:
+    q = statistics.quantiles(times_ms, n=5) if len(times_ms) > 1 else [times_ms[0]] * 4
+    return Timing(statistics.median(times_ms), q[0], q[3], min(times_ms), max(times_ms),
+                  statistics.fmean(times_ms), len(times_ms))
+
+
+def time_function(fn: Callable[[], object], device: torch.device | str = "cuda", warmup: int = 10,
+                  repeat: int = 100, back_to_back: bool = False, calls_per_sample: int = 20) -> Timing:
+    device = torch.device(device)
+    if device.type != "cuda":
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return _summary(times)
+
+    with torch.cuda.device(device):
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        if back_to_back:
+            for _ in range(repeat):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(calls_per_sample):
+                    fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / calls_per_sample)
+        else:
+            flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeat)]
+            for start, end in events:
+                flush.zero_()
+                start.record()
+                fn()
+                end.record()
+            torch.cuda.synchronize()
+            times = [s.elapsed_time(e) for s, e in events]
+        return _summary(times)

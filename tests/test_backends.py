@@ -1,0 +1,55 @@
+"""Backend selection: forcing, environment variable, clear refusals, explain()."""
+import pytest
+import torch
+
+import kernelforge as kf
+from kernelforge import backends
+
+
+def test_cpu_default_is_reference_and_explained():
+    x = torch.randn(4, 8)
+    assert backends.select("softmax", x).backend == "reference"
+    text = kf.explain("softmax", x)
+    assert text.startswith("softmax: runs on reference because the reference is the CPU implementation")
+    assert "cuda: cannot: the CUDA extension runs on CUDA tensors, got a cpu tensor" in text
+
+
+def test_forced_backend_that_cannot_run_raises():
+    x = torch.randn(4, 8)
+    with kf.use_backend("cuda"):
+        with pytest.raises(kf.BackendUnsupportedError, match=r"backend 'cuda' is forced but cannot run these inputs: "
+                                                              r"the CUDA extension runs on CUDA tensors, got a cpu tensor"):
+            kf.softmax(x)
+    with kf.use_backend("triton"):
+        with pytest.raises(kf.BackendUnsupportedError, match=r"Triton kernels take float32/float16/bfloat16, got torch.float64"):
+            kf.softmax(x.double())
+
+
+def test_use_backend_nests_and_restores():
+    assert backends.forced_backend() is None
+    with kf.use_backend("reference"):
+        assert backends.forced_backend() == "reference"
+        with kf.use_backend(None):
+            assert backends.forced_backend() is None
+        assert backends.forced_backend() == "reference"
+    assert backends.forced_backend() is None
+
+
+def test_environment_variable_forces(monkeypatch):
+    monkeypatch.setenv("KERNELFORGE_BACKEND", "cuda")
+    assert backends.forced_backend() == "cuda"
+    with pytest.raises(kf.BackendUnsupportedError, match="'cuda' is forced"):
+        kf.softmax(torch.randn(2, 3))
+    with kf.use_backend("reference"):  # the context manager wins over the environment
+        kf.softmax(torch.randn(2, 3))
+    monkeypatch.setenv("KERNELFORGE_BACKEND", "fast")
+    with pytest.raises(ValueError, match=r"KERNELFORGE_BACKEND: unknown backend 'fast'; expected one of"):
+        kf.softmax(torch.randn(2, 3))
+
+
+def test_unknown_names_are_rejected():
+    with pytest.raises(ValueError, match=r"use_backend: unknown backend 'cudnn'"):
+        with kf.use_backend("cudnn"):
+            pass
+    with pytest.raises(KeyError, match=r"no op named 'softmaxx' is registered"):
+        kf.explain("softmaxx", torch.randn(2))
