@@ -23,13 +23,11 @@ def candidates(n_rows, n_cols, backward):
     cap = ts.FUSED_MAX_COLS_BACKWARD if backward else ts.FUSED_MAX_COLS
     if n_cols <= cap:
         bn = 1 << (n_cols - 1).bit_length()
-        # (stages, programs per SM): one tile per program, or persistent with/without prefetch
-        grids = [(1, 1_000_000), (1, 2), (1, 8), (2, 2), (2, 8)]
-        for bm, warps, (stages, ppsm) in itertools.product((1, 2, 4), (4, 8, 16, 32), grids):
+        for bm, warps in itertools.product((1, 2, 4), (4, 8, 16, 32)):
             per_thread = bm * bn / (warps * 32)
             if bm * bn > 32768 or not 4 <= per_thread <= 64:
                 continue
-            yield ts.RowConfig(True, bm, bn, warps, stages, ppsm)
+            yield ts.RowConfig(True, bm, bn, warps)
         return
     for bn, warps in itertools.product((2048, 4096, 8192, 16384), (4, 8, 16, 32)):
         if 4 <= bn / (warps * 32) <= 64:

@@ -2,12 +2,14 @@
 
 Two forward paths, chosen by row length n:
   fused  (n <= FUSED_MAX_COLS): a tile of BLOCK_M rows is loaded once, reduced, written.
-         Bytes: read n + write n elements per row, the minimum. Programs are persistent
-         (grid-stride over row tiles) so the next tile's loads overlap this tile's math.
+         Bytes: read n + write n elements per row, the minimum. One tile per program: a
+         persistent grid-stride variant (with and without software pipelining) measured
+         no faster on an H200 (benchmarks/softmax_sweep.py), so the simpler form stays.
   online (longer rows): one program per row walks the row in BLOCK_N chunks keeping a
          running max and a rescaled running sum (one read gives both), then a second
-         walk re-reads x and writes y. Bytes: read 2n + write n; the second read is
-         usually served by L2 when the rows in flight fit in it.
+         walk re-reads x and writes y. Bytes: read 2n + write n from DRAM at worst; the
+         first walk asks L2 to keep the row (evict_last) and the output streams past it,
+         so that the second read is served by L2 as often as the rows in flight fit.
 Backward likewise: fused reads y and dy once; the long-row path reads them twice.
 FLOPs are a handful per element (sub, exp2, add, mul); exp2 runs on the SFU, one per
 element per pass, well under the memory time on H100/H200.
@@ -18,7 +20,6 @@ torch for it), and on CPU tensors under TRITON_INTERPRET=1.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,35 +38,34 @@ FUSED_MAX_COLS = 32768
 FUSED_MAX_COLS_BACKWARD = 16384
 # Elements one program of the fused kernel holds (BLOCK_M rows x BLOCK_N columns) when
 # rows are short: several rows per program amortize the per-program reductions.
-ROW_TILE_ELEMS = 2048
-ONLINE_BLOCK_N = 4096
+ROW_TILE_ELEMS = 4096
+# Chunk of the long-row kernels and its warps (32 elements a thread): best or within 1% of
+# best for 65536 and 262144 columns, bf16 and fp32, in the H200 sweep.
+ONLINE_BLOCK_N = 16384
+ONLINE_NUM_WARPS = 16
 
 
 # ----------------------------------------------------------------------------- kernels
 @triton.jit
 def _softmax_fwd_fused_kernel(
     x_ptr, y_ptr, n_rows, n_cols, x_row_stride, y_row_stride,
-    LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+    LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < n_cols
-    n_tiles = tl.cdiv(n_rows, BLOCK_M)
-    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
-        rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        mask = (rows < n_rows)[:, None] & col_mask[None, :]
-        x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask,
-                    other=-float("inf")).to(tl.float32)
-        # Rows past n_rows are all -inf: shift them by 0 so they make no NaNs (never stored).
-        row_max = tl.where(rows < n_rows, tl.max(x, axis=1), 0.0)
-        shifted = x - row_max[:, None]
-        e = tl.exp2(shifted * LOG2E)
-        denom = tl.sum(e, axis=1)
-        if LOG:
-            y = shifted - (tl.log2(denom) * LN2)[:, None]
-        else:
-            y = e * (1.0 / denom)[:, None]
-        tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :],
-                 y.to(y_ptr.dtype.element_ty), mask=mask)
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask,
+                other=-float("inf")).to(tl.float32)
+    # Rows past n_rows are all -inf: shift them by 0 so they make no NaNs (never stored).
+    row_max = tl.where(rows < n_rows, tl.max(x, axis=1), 0.0)
+    shifted = x - row_max[:, None]
+    e = tl.exp2(shifted * LOG2E)
+    denom = tl.sum(e, axis=1)
+    if LOG:
+        y = shifted - (tl.log2(denom) * LN2)[:, None]
+    else:
+        y = e * (1.0 / denom)[:, None]
+    tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -81,7 +81,8 @@ def _softmax_fwd_online_kernel(
     m = tl.max(tl.full((BLOCK_N,), float("-inf"), tl.float32), axis=0)
     s = tl.sum(tl.zeros((BLOCK_N,), tl.float32), axis=0)
     for start in range(0, n_cols, BLOCK_N):
-        x = tl.load(x_row + start + cols, mask=start + cols < n_cols, other=-float("inf")).to(tl.float32)
+        x = tl.load(x_row + start + cols, mask=start + cols < n_cols, other=-float("inf"),
+                    eviction_policy="evict_last").to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
         # While every value so far is -inf, shift by 0 so exp2 sees -inf, not -inf - -inf.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -92,33 +93,29 @@ def _softmax_fwd_online_kernel(
     log_s = tl.log2(s) * LN2
     for start in range(0, n_cols, BLOCK_N):
         mask = start + cols < n_cols
-        x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_row + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         if LOG:
             y = x - m - log_s
         else:
             y = tl.exp2((x - m) * LOG2E) * inv_s
-        tl.store(y_row + start + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_row + start + cols, y.to(y_ptr.dtype.element_ty), mask=mask, cache_modifier=".cs")
 
 
 @triton.jit
 def _softmax_bwd_fused_kernel(
     g_ptr, y_ptr, dx_ptr, n_rows, n_cols, g_row_stride, y_row_stride, dx_row_stride,
-    LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+    LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < n_cols
-    n_tiles = tl.cdiv(n_rows, BLOCK_M)
-    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
-        rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        mask = (rows < n_rows)[:, None] & col_mask[None, :]
-        g = tl.load(g_ptr + rows[:, None] * g_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        y = tl.load(y_ptr + rows[:, None] * y_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if LOG:  # dx = dy - exp(y) * sum(dy)
-            dx = g - tl.exp2(y * LOG2E) * tl.sum(g, axis=1)[:, None]
-        else:  # dx = y * (dy - sum(dy * y))
-            dx = y * (g - tl.sum(g * y, axis=1)[:, None])
-        tl.store(dx_ptr + rows[:, None] * dx_row_stride + cols[None, :],
-                 dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    g = tl.load(g_ptr + rows[:, None] * g_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + rows[:, None] * y_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if LOG:  # dx = dy - exp(y) * sum(dy)
+        dx = g - tl.exp2(y * LOG2E) * tl.sum(g, axis=1)[:, None]
+    else:  # dx = y * (dy - sum(dy * y))
+        dx = y * (g - tl.sum(g * y, axis=1)[:, None])
+    tl.store(dx_ptr + rows[:, None] * dx_row_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -135,41 +132,40 @@ def _softmax_bwd_two_pass_kernel(
     acc = tl.zeros((BLOCK_N,), tl.float32)
     for start in range(0, n_cols, BLOCK_N):
         mask = start + cols < n_cols
-        g = tl.load(g_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_row + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
         if LOG:
             acc += g
         else:
-            acc += g * tl.load(y_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            acc += g * tl.load(y_row + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
     total = tl.sum(acc, axis=0)
     for start in range(0, n_cols, BLOCK_N):
         mask = start + cols < n_cols
-        g = tl.load(g_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-        y = tl.load(y_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_row + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        y = tl.load(y_row + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         if LOG:
             dx = g - tl.exp2(y * LOG2E) * total
         else:
             dx = y * (g - total)
-        tl.store(dx_row + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_row + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask, cache_modifier=".cs")
 
 
 # ----------------------------------------------------------------------------- launch configs
 @dataclass(frozen=True)
 class RowConfig:
-    """How one launch is shaped. `programs_per_sm` caps the persistent grid of the fused
-    kernels; `block_n` is the chunk of the long-row kernels."""
+    """How one launch is shaped: the fused kernels take BLOCK_M x BLOCK_N tiles (one per
+    program); the long-row kernels walk rows in BLOCK_N chunks."""
 
     fused: bool
     block_m: int
     block_n: int
     num_warps: int
-    num_stages: int = 1
-    programs_per_sm: int = 4
 
 
 def _warps_for(elements: int) -> int:
-    # About 16 elements a thread at most: enough loads in flight, no register spills.
+    # About 32 elements a thread: the H200 sweep's best (or within noise of it) at 1024,
+    # 4096 and 16384 columns; 32768 columns take 32 warps, the most a program may have.
     for warps in (4, 8, 16):
-        if elements <= warps * 32 * 16:
+        if elements <= warps * 32 * 32:
             return warps
     return 32
 
@@ -178,21 +174,8 @@ def default_config(n_rows: int, n_cols: int, backward: bool = False) -> RowConfi
     if n_cols <= (FUSED_MAX_COLS_BACKWARD if backward else FUSED_MAX_COLS):
         block_n = triton.next_power_of_2(n_cols)
         block_m = max(1, min(ROW_TILE_ELEMS // block_n, triton.next_power_of_2(n_rows)))
-        warps = _warps_for(block_m * block_n)
-        return RowConfig(True, block_m, block_n, warps, 1, max(1, 32 // warps))
-    return RowConfig(False, 1, ONLINE_BLOCK_N, _warps_for(ONLINE_BLOCK_N))
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _fused_grid(x: torch.Tensor, n_rows: int, cfg: RowConfig) -> tuple[int]:
-    n_tiles = triton.cdiv(n_rows, cfg.block_m)
-    if x.device.type != "cuda":  # interpreter: no SMs to fill, one program per tile
-        return (n_tiles,)
-    return (min(n_tiles, _sm_count(x.device.index) * cfg.programs_per_sm),)
+        return RowConfig(True, block_m, block_n, _warps_for(block_m * block_n))
+    return RowConfig(False, 1, ONLINE_BLOCK_N, ONLINE_NUM_WARPS)
 
 
 class _on_device:
@@ -223,10 +206,9 @@ def softmax_forward_rows(x2d: torch.Tensor, log: bool, config: Optional[RowConfi
     cfg = config or default_config(n_rows, n_cols)
     with _on_device(x2d):
         if cfg.fused:
-            _softmax_fwd_fused_kernel[_fused_grid(x2d, n_rows, cfg)](
+            _softmax_fwd_fused_kernel[(triton.cdiv(n_rows, cfg.block_m),)](
                 x2d, y, n_rows, n_cols, x2d.stride(0), y.stride(0),
-                LOG=log, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+                LOG=log, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
             )
         else:
             _softmax_fwd_online_kernel[(n_rows,)](
@@ -247,10 +229,9 @@ def softmax_backward_rows(
     cfg = config or default_config(n_rows, n_cols, backward=True)
     with _on_device(out2d):
         if cfg.fused:
-            _softmax_bwd_fused_kernel[_fused_grid(out2d, n_rows, cfg)](
+            _softmax_bwd_fused_kernel[(triton.cdiv(n_rows, cfg.block_m),)](
                 grad2d, out2d, dx, n_rows, n_cols, grad2d.stride(0), out2d.stride(0), dx.stride(0),
-                LOG=log, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+                LOG=log, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
             )
         else:
             _softmax_bwd_two_pass_kernel[(n_rows,)](

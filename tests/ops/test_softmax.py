@@ -224,3 +224,24 @@ def test_nn_modules(backend, device):
         torch.testing.assert_close(kf.nn.Softmax(dim=1)(x), torch.nn.Softmax(dim=1)(x))
         torch.testing.assert_close(kf.nn.LogSoftmax(dim=-1)(x), torch.nn.LogSoftmax(dim=-1)(x))
     assert repr(kf.nn.Softmax(2)) == "Softmax(dim=2)"
+
+
+@pytest.mark.parametrize("name", FUNCS)
+def test_eager_fast_path_equals_registered_op(name):
+    # Without autograd, kf.softmax skips the dispatcher; with it (or under a mode) it goes
+    # through torch.ops. Both must give the same tensor, layout included.
+    from kernelforge.ops.softmax import _plain_eager_call
+
+    op = getattr(torch.ops.kernelforge, name)
+    x = torch.randn(6, 5, 7).transpose(0, 2)
+    assert _plain_eager_call(x) and not _plain_eager_call(x.detach().requires_grad_())
+    with torch.no_grad():
+        assert _plain_eager_call(x.detach().requires_grad_())
+    fast, via_op = FUNCS[name][0](x, 1), op(x, 1)
+    assert torch.equal(fast, via_op) and fast.stride() == via_op.stride()
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake = mode.from_tensor(x)
+        assert not _plain_eager_call(fake)
+        assert FUNCS[name][0](fake, 1).stride() == fast.stride()
+    # vmap runs through the op too (functorch transforms are active inside)
+    torch.testing.assert_close(torch.vmap(lambda t: FUNCS[name][0](t, -1))(x), FUNCS[name][1](x, -1))
