@@ -16,7 +16,6 @@ Policy, in order:
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import importlib
 import os
 from dataclasses import dataclass, field
@@ -62,9 +61,10 @@ class Choice:
 
 _registry: dict[str, dict[str, Implementation]] = {}
 _preferences: dict[str, PreferenceRule] = {}
-_forced: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
-    "kernelforge_forced_backend", default=None
-)
+# The backend forced by use_backend(). Process-wide on purpose (like torch.backends flags):
+# autograd runs backward ops on its own threads, and a forced backend must govern them
+# too; a thread- or context-local setting would silently not.
+_forced: list[Optional[str]] = [None]
 
 
 def register(op: str, backend: str, module: str, supports: SupportPredicate) -> None:
@@ -94,18 +94,21 @@ def _validate(name: str, source: str) -> str:
 def use_backend(name: Optional[str]) -> Iterator[None]:
     """Force every op inside the block onto one backend (None lifts the force).
 
-    A forced backend that cannot take an input raises instead of falling back.
+    A forced backend that cannot take an input raises instead of falling back. The setting
+    is process-wide (it also holds for the backward pass, which autograd runs on other
+    threads), so do not race two threads that force different backends.
     """
-    token = _forced.set(None if name is None else _validate(name, "use_backend"))
+    previous = _forced[0]
+    _forced[0] = None if name is None else _validate(name, "use_backend")
     try:
         yield
     finally:
-        _forced.reset(token)
+        _forced[0] = previous
 
 
 def forced_backend() -> Optional[str]:
     """The backend forced by `use_backend`, else by KERNELFORGE_BACKEND, else None."""
-    name = _forced.get()
+    name = _forced[0]
     if name is not None:
         return name
     env = os.environ.get(ENV_VAR)

@@ -67,8 +67,10 @@ def visible_arch_list() -> str:
     return ";".join(f"{major}.{minor}" for major, minor in caps)
 
 
+@functools.lru_cache(maxsize=None)
 def why_toolchain_unavailable() -> Optional[str]:
-    """None when CUDA extensions can be built and run here, else the reason."""
+    """None when CUDA extensions can be built and run here, else the reason (checked once
+    per process: backend selection asks on every call)."""
     if torch.version.cuda is None:
         return f"this torch build ({torch.__version__}) has no CUDA support"
     if not torch.cuda.is_available():
@@ -120,6 +122,7 @@ class CUDACompiler:
         self.cflags = ["-O3", "-std=c++17"] + (["-g"] if debug else [])
         self.cuda_cflags = ["-O3", "-std=c++17"] + (["-g", "-lineinfo"] if debug else []) + list(extra_cuda_cflags)
         self._loaded: dict[str, ModuleType] = {}
+        self._by_extension: dict[str, ModuleType] = {}
         self._lock = threading.Lock()
         # name -> first line of the error of a build that failed in this process, so the
         # backend registry stops choosing that extension instead of failing every call.
@@ -136,12 +139,19 @@ class CUDACompiler:
         raise FileNotFoundError(f"{filename!r} is not a source of any kernelforge extension; known: {known}")
 
     def load(self, extension: str) -> ModuleType:
-        """The module of a named extension (see EXTENSIONS), built on first use."""
+        """The module of a named extension (see EXTENSIONS), built on first use.
+
+        This is on every kernel call's path, so after the first call it is one dict lookup
+        (sources are hashed once per process; edit them and restart to rebuild)."""
+        module = self._by_extension.get(extension)
+        if module is not None:
+            return module
         try:
             ext = EXTENSIONS[extension]
         except KeyError:
             raise KeyError(f"unknown CUDA extension {extension!r}; known: {sorted(EXTENSIONS)}") from None
-        return self.compile(ext.name, ext.sources)
+        module = self._by_extension[extension] = self.compile(ext.name, ext.sources)
+        return module
 
     def compile(self, name: str, sources: Iterable[str]) -> ModuleType:
         """Build (or load from the cache) a module from `sources`, file names in source_dir."""

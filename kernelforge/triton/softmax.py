@@ -26,6 +26,9 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+from kernelforge.triton import interpreter_enabled
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * log2(e)): exp2 is the SFU's native op
 LN2 = tl.constexpr(0.6931471805599453)
@@ -102,9 +105,20 @@ def _softmax_fwd_online_kernel(
 
 
 @triton.jit
+def _exp(x, PRECISE: tl.constexpr):
+    # exp2 (MUFU.EX2, ~2 ulp) is right wherever the result is rounded to the output scale;
+    # log_softmax backward multiplies exp(y) by sum(dy), which can be hundreds, so there it
+    # takes libdevice's exp (the accuracy of torch's expf). The interpreter has no libdevice.
+    if PRECISE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp2(x * LOG2E)
+
+
+@triton.jit
 def _softmax_bwd_fused_kernel(
     g_ptr, y_ptr, dx_ptr, n_rows, n_cols, g_row_stride, y_row_stride, dx_row_stride,
-    LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISE_EXP: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK_N)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -112,7 +126,7 @@ def _softmax_bwd_fused_kernel(
     g = tl.load(g_ptr + rows[:, None] * g_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     y = tl.load(y_ptr + rows[:, None] * y_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if LOG:  # dx = dy - exp(y) * sum(dy)
-        dx = g - tl.exp2(y * LOG2E) * tl.sum(g, axis=1)[:, None]
+        dx = g - _exp(y, PRECISE_EXP) * tl.sum(g, axis=1)[:, None]
     else:  # dx = y * (dy - sum(dy * y))
         dx = y * (g - tl.sum(g * y, axis=1)[:, None])
     tl.store(dx_ptr + rows[:, None] * dx_row_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
@@ -121,7 +135,7 @@ def _softmax_bwd_fused_kernel(
 @triton.jit
 def _softmax_bwd_two_pass_kernel(
     g_ptr, y_ptr, dx_ptr, n_cols, g_row_stride, y_row_stride, dx_row_stride,
-    LOG: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOG: tl.constexpr, BLOCK_N: tl.constexpr, PRECISE_EXP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     g_row = g_ptr + row * g_row_stride
@@ -143,7 +157,7 @@ def _softmax_bwd_two_pass_kernel(
         g = tl.load(g_row + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         y = tl.load(y_row + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         if LOG:
-            dx = g - tl.exp2(y * LOG2E) * total
+            dx = g - _exp(y, PRECISE_EXP) * total
         else:
             dx = y * (g - total)
         tl.store(dx_row + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask, cache_modifier=".cs")
@@ -227,15 +241,17 @@ def softmax_backward_rows(
     if dx.numel() == 0:
         return dx
     cfg = config or default_config(n_rows, n_cols, backward=True)
+    precise_exp = log and not interpreter_enabled()
     with _on_device(out2d):
         if cfg.fused:
             _softmax_bwd_fused_kernel[(triton.cdiv(n_rows, cfg.block_m),)](
                 grad2d, out2d, dx, n_rows, n_cols, grad2d.stride(0), out2d.stride(0), dx.stride(0),
-                LOG=log, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                LOG=log, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISE_EXP=precise_exp,
+                num_warps=cfg.num_warps,
             )
         else:
             _softmax_bwd_two_pass_kernel[(n_rows,)](
                 grad2d, out2d, dx, n_cols, grad2d.stride(0), out2d.stride(0), dx.stride(0),
-                LOG=log, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                LOG=log, BLOCK_N=cfg.block_n, PRECISE_EXP=precise_exp, num_warps=cfg.num_warps,
             )
     return dx

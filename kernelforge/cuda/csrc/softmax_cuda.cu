@@ -1,13 +1,13 @@
 // Softmax / log-softmax forward and backward over matrix rows (see softmax_cuda.h).
 //
-// The kernels are memory bound, so the design goal is to touch every byte of DRAM the
-// minimum number of times with 16-byte accesses and enough loads in flight. One kernel
-// family, templated on the element type T (float, __half, __nv_bfloat16), on the vector
-// width VEC (16 / sizeof(T), or 1 for unaligned data) and on an Op that says what a row
-// computes (ForwardOp: softmax / log_softmax; BackwardOp: their gradients). Paths by cols:
-//   (a) cols <= 1024:  1..32 threads per row, row in registers, warp-shuffle reductions;
-//   (b) row fits in shared memory: one block per row, row read once and parked in smem;
-//   (c) longer rows:   one block per row, online softmax pass + a second read of the row.
+// Memory bound: the goal is to move every DRAM byte the minimum number of times, with
+// 16-byte accesses and enough bytes in flight. One kernel family, templated on the element
+// type T (float, __half, __nv_bfloat16), the vector width VEC (16 / sizeof(T), or 1 for
+// unaligned data) and an Op saying what a row computes (ForwardOp: softmax / log_softmax;
+// BackwardOp: their gradients). Math is fp32; outputs are rounded once. Paths by cols:
+//   (a) cols <= 1024: 1..32 threads per row, row in registers, shuffle reductions;
+//   (b) the row fits in shared memory: a block per row, row read from DRAM once;
+//   (c) longer rows: a block per row, online max/sum sweep, then a second read of the row.
 #include "softmax_cuda.h"
 
 #include <cuda_bf16.h>
@@ -23,38 +23,52 @@ namespace cuda_softmax {
 namespace {
 
 constexpr int kWarpSize = 32;
-constexpr int kVectorBytes = 16;           // one LDG.128 / STG.128 per pack
-constexpr int kMaxRegisterCols = 1024;     // path (a) limit: at most 32 elements per thread
-constexpr int kMaxRegisterElems = 32;      //   and input, held in registers
-constexpr int kRegisterPathThreads = 128;  // path (a) block: 4 warps, 4..128 rows
-constexpr int kMinRowBlockThreads = 128;   // paths (b), (c): block size grows with cols
-constexpr int kMaxRowBlockThreads = 512;
-constexpr int kElemsInFlight = 32;         // (b), (c): elements loaded per thread per step
-constexpr int kReservedSmemBytes = 1024;   // (b): static reduction scratch + slack
-constexpr int kMaxBlocksPerSm = 32;        // grid cap: more rows -> grid-stride loop
+constexpr int kVectorBytes = 16;            // one LDG.128 / STG.128 per pack
+constexpr int kMaxRegisterCols = 1024;      // (a): <= 32 elements per thread and input
+constexpr int kMaxRegisterElems = 32;
+constexpr int kRegisterPathThreads = 128;   // (a): 4 warps, 4..128 rows per block
+constexpr int kMinRowBlockThreads = 128;    // (b): block size grows with cols ...
+constexpr int kMaxRowBlockThreads = 512;    //      ... to this
+constexpr int kSmemPacksPerThread = 8;      // (b): block size target
+constexpr int kSmemStepElems = 16;          // (b): elements per thread and step, all inputs
+constexpr int kDoubleBufferBytes = 56 * 1024;  // (b): two rows in flight per block up to this
+constexpr int kStreamThreads = 512;         // (c): block size, one block per SM
+constexpr int kStreamStages = 4;            // (c): cp.async ring depth
+constexpr int kStreamStageBytes = 64;       // (c): bytes per thread and stage, all inputs
+constexpr int kMaxPacksPerStep = 8;         // (b), (c): register budget per step
+constexpr int kReservedSmemBytes = 1024;    // static reduction scratch + slack
+constexpr int kMaxBlocksPerSm = 32;         // grid cap; more rows -> grid-stride loops
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -__builtin_huge_valf();
 
-// exp(d) = exp2(d * log2(e)): FMUL + MUFU.EX2. Error <= 2 ulp (exp2f) + |d| / 2 ulp (the
-// product's rounding), i.e. ~2.5 ulp for the entries that dominate a row (d in [-1, 0]).
-__device__ __forceinline__ float exp_of(float d) { return exp2f(d * kLog2e); }
+// exp(d) = 2^(d * log2(e)) on the SFU: ex2.approx has <= 2 ulp error; rounding the product
+// adds |d| / 2 ulp, so ~2.5 ulp for the entries that dominate a row (d in [-1, 0]).
+// Results below 2^-126 flush to 0 (absolute error < 1.2e-38).
+__device__ __forceinline__ float exp_of(float d) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(d * kLog2e));
+  return y;
+}
 
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ void from_float(float* out, float v) { *out = v; }
+__device__ __forceinline__ void from_float(__half* out, float v) { *out = __float2half_rn(v); }
+__device__ __forceinline__ void from_float(__nv_bfloat16* out, float v) { *out = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void from_float(float* out, float v, float w) { out[0] = v, out[1] = w; }
+__device__ __forceinline__ void from_float(__half* out, float v, float w) {
+  *reinterpret_cast<__half2*>(out) = __floats2half2_rn(v, w);
+}
+__device__ __forceinline__ void from_float(__nv_bfloat16* out, float v, float w) {
+  *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(v, w);
+}
 
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-
-// VEC consecutive elements moved by one memory instruction (16 bytes for the vector path).
+// VEC consecutive elements, moved by one memory instruction.
 template <typename T, int VEC>
 struct alignas(sizeof(T) * VEC) Pack {
+  using Elem = T;
+  static constexpr int kVec = VEC;
   T v[VEC];
 };
 
@@ -67,19 +81,35 @@ __device__ __forceinline__ void unpack(const Pack<T, VEC>& p, float* out) {
 template <typename T, int VEC>
 __device__ __forceinline__ Pack<T, VEC> pack(const float* in) {
   Pack<T, VEC> p;
+  if constexpr (VEC == 1) {
+    from_float(&p.v[0], in[0]);
+  } else {
 #pragma unroll
-  for (int j = 0; j < VEC; ++j) p.v[j] = from_float<T>(in[j]);
+    for (int j = 0; j < VEC; j += 2) from_float(&p.v[j], in[j], in[j + 1]);  // 2 per F2FP
+  }
   return p;
 }
 
 // ---------------------------------------------------------------------------------------
-// Row statistics. Each kind has identity(), merge() and shfl_xor() for the reductions;
-// merge is commutative bit for bit, so every lane of a butterfly ends with the same value.
+// Row statistics: identity() and allreduce<WIDTH>() over aligned groups of WIDTH lanes.
+// Butterflies of commutative operations: every lane of a group ends with the same bits.
+template <int WIDTH>
+__device__ __forceinline__ float group_max(float v) {
+#pragma unroll
+  for (int mask = WIDTH / 2; mask > 0; mask /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, mask, WIDTH));
+  return v;
+}
+template <int WIDTH>
+__device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+  for (int mask = WIDTH / 2; mask > 0; mask /= 2) v += __shfl_xor_sync(0xffffffffu, v, mask, WIDTH);
+  return v;
+}
 
 // Forward: max of the values and sum of exp(v - max), updated online (one pass). The exp
-// reference is the max, or 0 while the max is still -inf, so -inf entries contribute 0 and
-// never exp(-inf - -inf) = NaN. A row that is -inf everywhere still ends with max = -inf
-// and produces NaN in the epilogue's x - max, exactly like torch.softmax.
+// reference is the max, or 0 while it is still -inf, so -inf entries contribute 0 instead
+// of exp(-inf - -inf) = NaN. A row that is -inf everywhere keeps max = -inf and yields NaN
+// in the epilogue's x - max, exactly like torch.softmax.
 struct MaxExpSum {
   float max_value, exp_sum;
   __device__ static MaxExpSum identity() { return {kNegInf, 0.f}; }
@@ -97,15 +127,10 @@ struct MaxExpSum {
     exp_sum = exp_sum * exp_of(max_value - ref) + chunk_sum;
     max_value = m;
   }
-  __device__ void merge(const MaxExpSum& o) {
-    const float m = fmaxf(max_value, o.max_value);
-    const float ref = reference(m);
-    // __fmul_rn: no FMA contraction, so merge(a, b) == merge(b, a) exactly.
-    exp_sum = __fmul_rn(exp_sum, exp_of(max_value - ref)) + __fmul_rn(o.exp_sum, exp_of(o.max_value - ref));
-    max_value = m;
-  }
-  __device__ MaxExpSum shfl_xor(int mask, int width) const {
-    return {__shfl_xor_sync(0xffffffffu, max_value, mask, width), __shfl_xor_sync(0xffffffffu, exp_sum, mask, width)};
+  template <int WIDTH>
+  __device__ MaxExpSum allreduce() const {  // max first, then one rescale and a plain sum
+    const float m = group_max<WIDTH>(max_value);
+    return {m, group_sum<WIDTH>(exp_sum * exp_of(max_value - reference(m)))};
   }
 };
 
@@ -113,34 +138,62 @@ struct MaxExpSum {
 struct Sum {
   float value;
   __device__ static Sum identity() { return {0.f}; }
-  __device__ void merge(const Sum& o) { value += o.value; }
-  __device__ Sum shfl_xor(int mask, int width) const {
-    return {__shfl_xor_sync(0xffffffffu, value, mask, width)};
-  }
+  template <int WIDTH>
+  __device__ Sum allreduce() const { return {group_sum<WIDTH>(value)}; }
 };
 
-// ---------------------------------------------------------------------------------------
-// Ops: the inputs of a row, the value that pads lanes past the row end (it must not change
-// the statistics), how values accumulate, and the per-element output once the row's
-// statistics are known. v[k][j] is element j of input k held by this thread.
+// Block-wide allreduce; blockDim.x is a multiple of 32.
+template <typename Stats>
+__device__ __forceinline__ Stats block_allreduce(Stats s, Stats* scratch) {
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  s = s.template allreduce<kWarpSize>();
+  __syncthreads();  // the previous row is done reading scratch
+  if (lane == 0) scratch[warp] = s;
+  __syncthreads();
+  s = lane < static_cast<int>(blockDim.x / kWarpSize) ? scratch[lane] : Stats::identity();
+  return s.template allreduce<kWarpSize>();  // every warp reduces the partials identically
+}
 
+// ---------------------------------------------------------------------------------------
+// Ops: the inputs of a row, the pad value for lanes past the row end (it must leave the
+// statistics unchanged), how values accumulate, and each output once the row's statistics
+// are known. v[k][j] is element j of input k held by this thread.
 struct ForwardOp {
   static constexpr int kInputs = 1;  // x
   static constexpr float kPad = kNegInf;
   using Stats = MaxExpSum;
   struct Epilogue {
     float max_value, scale;  // scale: 1 / sum (softmax) or log(sum) (log_softmax)
-    bool log;
+    bool log, values_are_exps;
   };
   template <int N>
   __device__ static void accumulate(Stats& s, const float (&v)[1][N], bool) { s.add<N>(v[0]); }
   __device__ static Epilogue finish(const Stats& s, bool log) {
-    return {s.max_value, log ? logf(s.exp_sum) : 1.f / s.exp_sum, log};
+    return {s.max_value, log ? logf(s.exp_sum) : 1.f / s.exp_sum, log, false};
+  }
+  // Path (a), whole row in registers: max first, then v becomes x - max (log_softmax) or
+  // exp(x - max) (softmax), so that apply needs no second exp.
+  template <int LANES, int N>
+  __device__ static Epilogue reduce_in_registers(float (&v)[1][N], bool log) {
+    float m = kNegInf;
+#pragma unroll
+    for (int j = 0; j < N; ++j) m = fmaxf(m, v[0][j]);
+    m = group_max<LANES>(m);
+    const float ref = MaxExpSum::reference(m);  // -inf rows still give NaN: 0 * (1 / 0)
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const float e = exp_of(v[0][j] - ref);
+      v[0][j] = log ? v[0][j] - ref : e;
+      sum += e;
+    }
+    sum = group_sum<LANES>(sum);
+    return {0.f, log ? logf(sum) : 1.f / sum, log, !log};
   }
   template <int N>
   __device__ static float apply(const Epilogue& e, const float (&v)[1][N], int j) {
     const float d = v[0][j] - e.max_value;
-    return e.log ? d - e.scale : exp_of(d) * e.scale;
+    return e.log ? d - e.scale : (e.values_are_exps ? d : exp_of(d)) * e.scale;
   }
 };
 
@@ -158,10 +211,16 @@ struct BackwardOp {
     for (int j = 0; j < N; ++j) s.value += log ? v[0][j] : v[0][j] * v[1][j];
   }
   __device__ static Epilogue finish(const Stats& s, bool log) { return {s.value, log}; }
+  template <int LANES, int N>
+  __device__ static Epilogue reduce_in_registers(const float (&v)[2][N], bool log) {
+    Stats s = Stats::identity();
+    accumulate(s, v, log);
+    return finish(s.allreduce<LANES>(), log);
+  }
   template <int N>
   __device__ static float apply(const Epilogue& e, const float (&v)[2][N], int j) {
     const float gy = v[0][j], y = v[1][j];
-    return e.log ? gy - exp_of(y) * e.sum : y * (gy - e.sum);
+    return e.log ? gy - expf(y) * e.sum : y * (gy - e.sum);  // full-accuracy exp: memory bound anyway
   }
 };
 
@@ -170,166 +229,280 @@ struct RowArgs {
   const T* in[K];        // ForwardOp: {x}; BackwardOp: {grad_out, out}
   int64_t in_stride[K];  // row strides, in elements
   T* out;                // dense: row stride == cols
-  int64_t rows, cols;
+  int64_t rows, cols;    // cols < 2^31
   bool log;
 };
 
-// Reduction over aligned groups of WIDTH lanes; every lane gets the group's result.
-template <int WIDTH, typename Stats>
-__device__ __forceinline__ Stats group_allreduce(Stats s) {
-#pragma unroll
-  for (int mask = WIDTH / 2; mask > 0; mask /= 2) s.merge(s.shfl_xor(mask, WIDTH));
-  return s;
-}
-
-// Block-wide reduction; every thread gets the result. blockDim.x is a multiple of 32.
-template <typename Stats>
-__device__ __forceinline__ Stats block_allreduce(Stats s, Stats* scratch) {
-  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  s = group_allreduce<kWarpSize>(s);
-  __syncthreads();  // the previous row's readers are done with scratch
-  if (lane == 0) scratch[warp] = s;
-  __syncthreads();
-  s = lane < static_cast<int>(blockDim.x / kWarpSize) ? scratch[lane] : Stats::identity();
-  return group_allreduce<kWarpSize>(s);  // every warp reduces the partials identically
-}
-
 // ---------------------------------------------------------------------------------------
-// Path (a), cols <= 1024. LANES (1..32) threads own one row, which lives in their registers
-// (PACKS packs of VEC elements per thread and input); reductions are shuffles within the
-// LANES group, so short rows still keep every lane busy (32 / LANES rows per warp).
+// Path (a), cols <= 1024. LANES (1..32) threads own a row, held in their registers (PACKS
+// packs of VEC elements per thread and input); reductions are shuffles within the group,
+// so short rows keep every lane busy (32 / LANES rows per warp). Each group works on
+// ROWS rows at once when a row gives it little to load, to keep enough bytes in flight.
 // DRAM bytes per element: forward 2 * sizeof(T) (read x, write y), backward 3 * sizeof(T)
-// (read gy and y, write gx) -- each byte moves once, the minimum possible.
+// (read gy and y, write gx): each byte moves once, the minimum.
+template <int K, int N>
+__host__ __device__ constexpr int rows_per_group() {
+  return K * N >= 8 ? 1 : K * N >= 2 ? 8 / (K * N) : 4;
+}
+
 template <typename Op, typename T, int VEC, int PACKS, int LANES>
 __global__ void __launch_bounds__(kRegisterPathThreads) rows_in_registers_kernel(const RowArgs<T, Op::kInputs> a) {
-  constexpr int K = Op::kInputs, N = PACKS * VEC;
-  constexpr int kRowsPerWarp = kWarpSize / LANES, kRowsPerBlock = kRegisterPathThreads / LANES;
+  constexpr int K = Op::kInputs, N = PACKS * VEC, ROWS = rows_per_group<K, N>();
+  constexpr int kGroups = kRegisterPathThreads / LANES, kRowsPerBlock = kGroups * ROWS;
   using P = Pack<T, VEC>;
-  const int lane = threadIdx.x % LANES;
+  const int lane = threadIdx.x % LANES, group = threadIdx.x / LANES;
   const int cols = static_cast<int>(a.cols);
-  // The loop runs per warp (not per row) so that every lane reaches every shuffle.
-  for (int64_t warp_row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarpSize * kRowsPerWarp;
-       warp_row < a.rows; warp_row += static_cast<int64_t>(gridDim.x) * kRowsPerBlock) {
-    const int64_t row = warp_row + threadIdx.x % kWarpSize / LANES;
-    const bool row_valid = row < a.rows;
-    float v[K][N];
+  // The loop is uniform over the block, so every lane reaches every shuffle.
+  for (int64_t block_row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock; block_row < a.rows;
+       block_row += static_cast<int64_t>(gridDim.x) * kRowsPerBlock) {
+    float v[ROWS][K][N];
 #pragma unroll
-    for (int p = 0; p < PACKS; ++p) {
-      const int col = (p * LANES + lane) * VEC;
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t row = block_row + r * kGroups + group;
 #pragma unroll
-      for (int k = 0; k < K; ++k) {
-        if (row_valid && col < cols) {
-          unpack(*reinterpret_cast<const P*>(a.in[k] + row * a.in_stride[k] + col), &v[k][p * VEC]);
-        } else {
+      for (int p = 0; p < PACKS; ++p) {
+        const int col = (p * LANES + lane) * VEC;
 #pragma unroll
-          for (int j = 0; j < VEC; ++j) v[k][p * VEC + j] = Op::kPad;
+        for (int k = 0; k < K; ++k) {
+          if (row < a.rows && col < cols) {
+            unpack(*reinterpret_cast<const P*>(a.in[k] + row * a.in_stride[k] + col), &v[r][k][p * VEC]);
+          } else {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) v[r][k][p * VEC + j] = Op::kPad;
+          }
         }
       }
     }
-    typename Op::Stats stats = Op::Stats::identity();
-    Op::accumulate(stats, v, a.log);
-    const auto epilogue = Op::finish(group_allreduce<LANES>(stats), a.log);
 #pragma unroll
-    for (int p = 0; p < PACKS; ++p) {
-      const int col = (p * LANES + lane) * VEC;
-      if (row_valid && col < cols) {
-        float o[VEC];
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t row = block_row + r * kGroups + group;
+      const auto epilogue = Op::template reduce_in_registers<LANES>(v[r], a.log);
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) o[j] = Op::apply(epilogue, v, p * VEC + j);
-        *reinterpret_cast<P*>(a.out + row * a.cols + col) = pack<T, VEC>(o);
+      for (int p = 0; p < PACKS; ++p) {
+        const int col = (p * LANES + lane) * VEC;
+        if (row < a.rows && col < cols) {
+          float o[VEC];
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) o[j] = Op::apply(epilogue, v[r], p * VEC + j);
+          *reinterpret_cast<P*>(a.out + row * a.cols + col) = pack<T, VEC>(o);
+        }
       }
     }
   }
 }
 
-template <int K, int VEC>
+// Packs per thread, input and step of paths (b)/(c): ELEMS elements over all K inputs.
+template <int K, int VEC, int ELEMS>
 __host__ __device__ constexpr int unroll_for() {
-  return kElemsInFlight / (K * VEC) > 0 ? kElemsInFlight / (K * VEC) : 1;
+  constexpr int packs = ELEMS / (K * VEC) > 0 ? ELEMS / (K * VEC) : 1;
+  return packs < kMaxPacksPerStep / K ? packs : kMaxPacksPerStep / K;
 }
 
-// Paths (b) and (c), cols > 1024: one block per row (grid-stride over rows), two sweeps.
-//   sweep 1: UNROLL packs per thread and input in flight, accumulate the row statistics
-//            (online max + sum of exp for the forward, the dot/sum for the backward);
-//   one block reduction (shuffles + a shared-memory exchange);
-//   sweep 2: compute and store the output.
-// (b) kRowInSmem: sweep 1 also parks the raw row in dynamic shared memory, sweep 2 reads
-//     it back from there (each thread its own packs). DRAM bytes per element stay at the
-//     minimum: forward 2 * sizeof(T), backward 3 * sizeof(T). Chosen while
-//     K * cols * sizeof(T) fits the opt-in shared memory (~227 KB on H100/H200).
-// (c) !kRowInSmem: sweep 2 re-reads the inputs (partly from L2): forward 3 * sizeof(T),
-//     backward 5 * sizeof(T). The online max/sum keeps the forward at one extra read.
-template <typename Op, typename T, int VEC, bool kRowInSmem>
-__global__ void __launch_bounds__(kMaxRowBlockThreads) row_per_block_kernel(const RowArgs<T, Op::kInputs> a) {
-  constexpr int K = Op::kInputs, UNROLL = unroll_for<K, VEC>(), N = UNROLL * VEC;
+// One step of paths (b)/(c): v[k][u * VEC + j] = element j of pack p = first + u * blockDim.x
+// of input k, read with load(k, u, p), or Op::kPad past the row end. Loads go out first.
+template <typename Op, typename P, int UNROLL, typename Load>
+__device__ __forceinline__ void load_step(float (&v)[Op::kInputs][UNROLL * P::kVec], int first, int packs, Load load) {
+  P raw[Op::kInputs][UNROLL];
+#pragma unroll
+  for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+    for (int k = 0; k < Op::kInputs; ++k)
+      if (first + u * static_cast<int>(blockDim.x) < packs) raw[k][u] = load(k, u, first + u * blockDim.x);
+#pragma unroll
+  for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+    for (int k = 0; k < Op::kInputs; ++k) {
+      if (first + u * static_cast<int>(blockDim.x) < packs) {
+        unpack(raw[k][u], &v[k][u * P::kVec]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < P::kVec; ++j) v[k][u * P::kVec + j] = Op::kPad;
+      }
+    }
+}
+
+template <typename Op, typename P, int UNROLL, typename Epilogue>
+__device__ __forceinline__ void store_step(P* out, const float (&v)[Op::kInputs][UNROLL * P::kVec], int first,
+                                           int packs, const Epilogue& epilogue) {
+#pragma unroll
+  for (int u = 0; u < UNROLL; ++u) {
+    const int p = first + u * static_cast<int>(blockDim.x);
+    if (p < packs) {
+      float o[P::kVec];
+#pragma unroll
+      for (int j = 0; j < P::kVec; ++j) o[j] = Op::apply(epilogue, v, u * P::kVec + j);
+      out[p] = pack<typename P::Elem, P::kVec>(o);
+    }
+  }
+}
+
+// Global -> shared copy of one pack with cp.async: asynchronous, holds no registers.
+template <typename P>
+__device__ __forceinline__ void copy_to_smem_async(P* dst, const P* src) {
+  static_assert(sizeof(P) == 4 || sizeof(P) == 8 || sizeof(P) == 16, "cp.async moves 4, 8 or 16 bytes");
+  const unsigned dst_addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  if constexpr (sizeof(P) == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst_addr), "l"(src) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst_addr), "l"(src), "n"(sizeof(P)) : "memory");
+  }
+}
+
+__device__ __forceinline__ void commit_async_copies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void wait_async_copies() {  // all but the PENDING newest groups landed
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+}
+
+// Plain copy (2-byte elements, unaligned rows: no cp.async) of packs first, first + stride,
+// ... < count, BATCH loads in flight at a time.
+template <int BATCH, typename P>
+__device__ __forceinline__ void copy_to_smem_batched(P* dst, const P* src, int first, int stride, int count) {
+  for (int p = first; p < count; p += BATCH * stride) {
+    P batch[BATCH];
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b)
+      if (p + b * stride < count) batch[b] = src[p + b * stride];
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b)
+      if (p + b * stride < count) dst[p + b * stride] = batch[b];
+  }
+}
+
+// Path (b), 1024 < cols and the row (all K inputs) fits in the opt-in shared memory (227 KB
+// on H100/H200: forward up to 57856 fp32 / 115712 fp16 columns, backward half of that).
+// One block per row, grid-stride over rows. Each thread cp.async-copies its own packs
+// (tid, tid + blockDim, ...) into shared memory, so the whole row is in flight at once at
+// no register cost. Sweep 1 reads them back into the row statistics; one block reduction;
+// sweep 2 reads them again, stores the output and refills each slot with the same pack of
+// a later row, overlapping those loads with this row's work. `buffers` (1 or 2) rows are
+// resident; only the owning thread touches a slot, so no barrier guards them. (Unaligned
+// 2-byte rows cannot use cp.async: they are copied in plain batches, a whole row at a time.)
+// DRAM bytes per element: the minimum, forward 2 * sizeof(T), backward 3 * sizeof(T).
+template <typename Op, typename T, int VEC>
+__global__ void __launch_bounds__(kMaxRowBlockThreads)
+    row_in_smem_kernel(const RowArgs<T, Op::kInputs> a, int buffers) {
+  constexpr int K = Op::kInputs, UNROLL = unroll_for<K, VEC, kSmemStepElems>();
   using P = Pack<T, VEC>;
-  using Stats = typename Op::Stats;
-  __shared__ Stats scratch[kWarpSize];
+  __shared__ typename Op::Stats scratch[kWarpSize];
   extern __shared__ __align__(16) unsigned char dynamic_smem[];
-  P* const row_cache = reinterpret_cast<P*>(dynamic_smem);  // K * packs, path (b) only
-  const int packs = static_cast<int>(a.cols / VEC);  // cols < 2^31: 32-bit column math
-  const int stride = static_cast<int>(blockDim.x) * UNROLL;
-
-  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    const P* in[K];
+  P* const cache = reinterpret_cast<P*>(dynamic_smem);  // [buffers][K][packs]
+  const int packs = static_cast<int>(a.cols / VEC), step = blockDim.x * UNROLL;
+  constexpr bool kAsync = sizeof(P) >= 4;  // else (2-byte, unaligned) plain batched copies
+  const auto input = [&](int k, int64_t row) { return reinterpret_cast<const P*>(a.in[k] + row * a.in_stride[k]); };
+  const auto copy_in = [&](int buffer, int64_t row, int p) {
 #pragma unroll
-    for (int k = 0; k < K; ++k) in[k] = reinterpret_cast<const P*>(a.in[k] + row * a.in_stride[k]);
-
-    Stats stats = Stats::identity();
-    for (int first = threadIdx.x; first < packs; first += stride) {
-      P raw[K][UNROLL];
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {  // issue every load before using any
-        const int p = first + u * static_cast<int>(blockDim.x);
+    for (int k = 0; k < K; ++k)
+      if constexpr (kAsync) copy_to_smem_async(&cache[(buffer * K + k) * packs + p], input(k, row) + p);
+  };
+  const auto copy_row = [&](int buffer, int64_t row) {
+    if (row < a.rows) {
+      if constexpr (kAsync) {
+#pragma unroll 4
+        for (int p = threadIdx.x; p < packs; p += blockDim.x) copy_in(buffer, row, p);
+      } else {
 #pragma unroll
         for (int k = 0; k < K; ++k)
-          if (p < packs) raw[k][u] = in[k][p];
+          copy_to_smem_batched<16>(cache + (buffer * K + k) * packs, input(k, row), threadIdx.x, blockDim.x, packs);
       }
-      float v[K][N];
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const int p = first + u * static_cast<int>(blockDim.x);
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-          if (p < packs) {
-            if constexpr (kRowInSmem) row_cache[k * packs + p] = raw[k][u];
-            unpack(raw[k][u], &v[k][u * VEC]);
-          } else {
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) v[k][u * VEC + j] = Op::kPad;
-          }
-        }
-      }
+    }
+    commit_async_copies();
+  };
+  for (int buffer = 0; buffer < buffers; ++buffer)
+    copy_row(buffer, blockIdx.x + static_cast<int64_t>(buffer) * gridDim.x);
+  int buffer = 0;
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    if (buffers == 2) wait_async_copies<1>(); else wait_async_copies<0>();  // `row` landed
+    const P* const cached = cache + buffer * K * packs;
+    const auto load = [&](int k, int, int p) { return cached[k * packs + p]; };
+    typename Op::Stats stats = Op::Stats::identity();
+    for (int first = threadIdx.x; first < packs; first += step) {
+      float v[K][UNROLL * VEC];
+      load_step<Op, P, UNROLL>(v, first, packs, load);
       Op::accumulate(stats, v, a.log);
     }
     const auto epilogue = Op::finish(block_allreduce(stats, scratch), a.log);
-
+    const int64_t refill_row = row + static_cast<int64_t>(buffers) * gridDim.x;
     P* const out = reinterpret_cast<P*>(a.out + row * a.cols);
-    for (int first = threadIdx.x; first < packs; first += stride) {
-      float v[K][N];
+    for (int first = threadIdx.x; first < packs; first += step) {
+      float v[K][UNROLL * VEC];
+      load_step<Op, P, UNROLL>(v, first, packs, load);
+      if (kAsync && refill_row < a.rows) {
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const int p = first + u * static_cast<int>(blockDim.x);
+        for (int u = 0; u < UNROLL; ++u)
+          if (first + u * static_cast<int>(blockDim.x) < packs) copy_in(buffer, refill_row, first + u * blockDim.x);
+      }
+      store_step<Op, P, UNROLL>(out, v, first, packs, epilogue);
+    }
+    if (kAsync) commit_async_copies(); else copy_row(buffer, refill_row);
+    buffer = buffer + 1 == buffers ? 0 : buffer + 1;
+  }
+}
+
+// Path (c), rows too long for shared memory. One block per row and per SM, grid-stride over
+// rows. Each sweep streams the row through a per-thread ring of kStreamStages shared-memory
+// slots filled by cp.async, keeping (kStreamStages - 1) * kStreamStageBytes per thread in
+// flight at no register cost. Sweep 1 folds the row into its statistics (for the forward
+// the online max/sum: one pass finds both); one block reduction; sweep 2 streams the inputs
+// again and stores the output. DRAM bytes per element: forward 3 * sizeof(T), backward
+// 5 * sizeof(T), less what sweep 2 finds in L2 (one row per SM keeps the set small).
+template <typename Op, typename P, int UNROLL, typename Consume>
+__device__ __forceinline__ void stream_row(const RowArgs<typename P::Elem, Op::kInputs>& a, int64_t row, P* ring,
+                                           Consume consume) {
+  constexpr int K = Op::kInputs, S = kStreamStages;
+  const int packs = static_cast<int>(a.cols / P::kVec), step = blockDim.x * UNROLL;
+  const auto global = [&](int k, int, int p) { return reinterpret_cast<const P*>(a.in[k] + row * a.in_stride[k]) + p; };
+  if constexpr (sizeof(P) < 4) {  // unaligned 2-byte elements: no cp.async, plain loads
+    for (int first = threadIdx.x; first < packs; first += step) {
+      float v[K][UNROLL * P::kVec];
+      load_step<Op, P, UNROLL>(v, first, packs, [&](int k, int u, int p) { return *global(k, u, p); });
+      consume(v, first);
+    }
+  } else {
+    // Slot (stage, k, u) of this thread; only this thread touches it, so no barriers.
+    const auto slot = [&](int stage, int k, int u) {
+      return ring + ((stage * K + k) * UNROLL + u) * blockDim.x + threadIdx.x;
+    };
+    const auto issue = [&](int i) {  // start loading step i
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
         for (int k = 0; k < K; ++k) {
-          if (p < packs) {
-            unpack(kRowInSmem ? row_cache[k * packs + p] : in[k][p], &v[k][u * VEC]);
-          } else {
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) v[k][u * VEC + j] = Op::kPad;
-          }
+          const int p = threadIdx.x + i * step + u * blockDim.x;
+          if (p < packs) copy_to_smem_async(slot(i % S, k, u), global(k, u, p));
         }
-      }
+      commit_async_copies();
+    };
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const int p = first + u * static_cast<int>(blockDim.x);
-        if (p < packs) {
-          float o[VEC];
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) o[j] = Op::apply(epilogue, v, u * VEC + j);
-          out[p] = pack<T, VEC>(o);
-        }
-      }
+    for (int i = 0; i < S - 1; ++i) issue(i);
+    for (int i = 0, first = threadIdx.x; first < packs; ++i, first += step) {
+      issue(i + S - 1);  // refills the slots consumed in step i - 1
+      wait_async_copies<S - 1>();  // step i landed
+      float v[K][UNROLL * P::kVec];
+      load_step<Op, P, UNROLL>(v, first, packs, [&](int k, int u, int) { return *slot(i % S, k, u); });
+      consume(v, first);
     }
+  }
+}
+
+template <typename Op, typename T, int VEC>
+__global__ void __launch_bounds__(kStreamThreads, 1) row_streamed_kernel(const RowArgs<T, Op::kInputs> a) {
+  constexpr int K = Op::kInputs, UNROLL = unroll_for<K, VEC, kStreamStageBytes / sizeof(T)>();
+  using P = Pack<T, VEC>;
+  __shared__ typename Op::Stats scratch[kWarpSize];
+  extern __shared__ __align__(16) unsigned char dynamic_smem[];
+  P* const ring = reinterpret_cast<P*>(dynamic_smem);  // [kStreamStages][K][UNROLL][blockDim]
+  const int packs = static_cast<int>(a.cols / VEC);
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    typename Op::Stats stats = Op::Stats::identity();
+    stream_row<Op, P, UNROLL>(a, row, ring, [&](const float(&v)[K][UNROLL * VEC], int) {
+      Op::accumulate(stats, v, a.log);
+    });
+    const auto epilogue = Op::finish(block_allreduce(stats, scratch), a.log);
+    P* const out = reinterpret_cast<P*>(a.out + row * a.cols);
+    stream_row<Op, P, UNROLL>(a, row, ring, [&](const float(&v)[K][UNROLL * VEC], int first) {
+      store_step<Op, P, UNROLL>(out, v, first, packs, epilogue);
+    });
   }
 }
 
@@ -364,12 +537,22 @@ cudaError_t current_device_limits(DeviceLimits* lim) {
   return cudaSuccess;
 }
 
-int64_t grid_size(int64_t work_blocks, const DeviceLimits& lim) {
-  const int64_t cap = static_cast<int64_t>(lim.sm_count) * kMaxBlocksPerSm;
-  return work_blocks < cap ? work_blocks : cap;
+unsigned grid_size(int64_t work_blocks, int64_t cap) {
+  return static_cast<unsigned>(work_blocks < cap ? work_blocks : cap);
 }
 
-// Path (a): picks LANES (threads per row) and PACKS (packs per thread) for cols, then launches.
+// Dynamic shared memory above the default 48 KB needs an opt-in, once per kernel and device.
+template <typename Kernel>
+cudaError_t allow_smem(Kernel kernel, size_t bytes, const DeviceLimits& lim, std::atomic<uint64_t>& configured) {
+  const uint64_t bit = lim.device < 64 ? uint64_t{1} << lim.device : 0;
+  if (bytes <= 48 * 1024 || (bit != 0 && (configured.load(std::memory_order_relaxed) & bit))) return cudaSuccess;
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, lim.smem_optin - kReservedSmemBytes);
+  if (err == cudaSuccess) configured.fetch_or(bit, std::memory_order_relaxed);
+  return err;
+}
+
+// Path (a): picks LANES (threads per row) and PACKS (packs per thread) for cols.
 template <typename Op, typename T, int VEC, int PACKS, int LANES>
 cudaError_t launch_rows_in_registers(const RowArgs<T, Op::kInputs>& a, const DeviceLimits& lim, cudaStream_t stream) {
   const int64_t packs = (a.cols + VEC - 1) / VEC;
@@ -378,34 +561,37 @@ cudaError_t launch_rows_in_registers(const RowArgs<T, Op::kInputs>& a, const Dev
   } else if constexpr (PACKS * VEC < kMaxRegisterElems) {
     if (packs > PACKS * LANES) return launch_rows_in_registers<Op, T, VEC, PACKS * 2, LANES>(a, lim, stream);
   }
-  constexpr int kRowsPerBlock = kRegisterPathThreads / LANES;
-  const int64_t blocks = grid_size((a.rows + kRowsPerBlock - 1) / kRowsPerBlock, lim);
-  rows_in_registers_kernel<Op, T, VEC, PACKS, LANES>
-      <<<static_cast<unsigned>(blocks), kRegisterPathThreads, 0, stream>>>(a);
+  constexpr int kRowsPerBlock = kRegisterPathThreads / LANES * rows_per_group<Op::kInputs, PACKS * VEC>();
+  const unsigned blocks =
+      grid_size((a.rows + kRowsPerBlock - 1) / kRowsPerBlock, int64_t{lim.sm_count} * kMaxBlocksPerSm);
+  rows_in_registers_kernel<Op, T, VEC, PACKS, LANES><<<blocks, kRegisterPathThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
-// Paths (b) and (c).
-template <typename Op, typename T, int VEC, bool kRowInSmem>
-cudaError_t launch_row_per_block(const RowArgs<T, Op::kInputs>& a, const DeviceLimits& lim, cudaStream_t stream) {
-  constexpr int K = Op::kInputs, UNROLL = unroll_for<K, VEC>();
-  const auto kernel = row_per_block_kernel<Op, T, VEC, kRowInSmem>;
-  const size_t smem_bytes = kRowInSmem ? static_cast<size_t>(K) * a.cols * sizeof(T) : 0;
-  if (smem_bytes > 48 * 1024) {  // beyond the default: opt in, once per device
-    static std::atomic<uint64_t> configured_devices{0};
-    const uint64_t bit = lim.device < 64 ? uint64_t{1} << lim.device : 0;
-    if (bit == 0 || !(configured_devices.load(std::memory_order_relaxed) & bit)) {
-      const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                   lim.smem_optin - kReservedSmemBytes);
-      if (err != cudaSuccess) return err;
-      configured_devices.fetch_or(bit, std::memory_order_relaxed);
-    }
-  }
-  // Enough threads for one unrolled step to cover the row, within [128, 512].
-  const int64_t packs = a.cols / VEC;
-  int threads = kMinRowBlockThreads;
-  while (threads < kMaxRowBlockThreads && static_cast<int64_t>(threads) * UNROLL < packs) threads *= 2;
-  kernel<<<static_cast<unsigned>(grid_size(a.rows, lim)), threads, smem_bytes, stream>>>(a);
+template <typename Op, typename T, int VEC>
+cudaError_t launch_row_in_smem(const RowArgs<T, Op::kInputs>& a, const DeviceLimits& lim, cudaStream_t stream) {
+  static std::atomic<uint64_t> configured{0};
+  const size_t row_bytes = static_cast<size_t>(Op::kInputs) * a.cols * sizeof(T);
+  const int buffers = 2 * row_bytes <= kDoubleBufferBytes ? 2 : 1;
+  const cudaError_t err = allow_smem(row_in_smem_kernel<Op, T, VEC>, buffers * row_bytes, lim, configured);
+  if (err != cudaSuccess) return err;
+  int threads = kMinRowBlockThreads;  // ~kSmemPacksPerThread packs per thread
+  while (threads < kMaxRowBlockThreads && static_cast<int64_t>(threads) * kSmemPacksPerThread * VEC < a.cols)
+    threads *= 2;
+  row_in_smem_kernel<Op, T, VEC><<<grid_size(a.rows, int64_t{lim.sm_count} * kMaxBlocksPerSm), threads,
+                                   buffers * row_bytes, stream>>>(a, buffers);
+  return cudaGetLastError();
+}
+
+template <typename Op, typename T, int VEC>
+cudaError_t launch_row_streamed(const RowArgs<T, Op::kInputs>& a, const DeviceLimits& lim, cudaStream_t stream) {
+  static std::atomic<uint64_t> configured{0};
+  constexpr int UNROLL = unroll_for<Op::kInputs, VEC, kStreamStageBytes / sizeof(T)>();
+  const size_t smem_bytes =  // the ring; unaligned 2-byte rows load directly
+      sizeof(T) * VEC < 4 ? 0 : sizeof(Pack<T, VEC>) * kStreamStages * Op::kInputs * UNROLL * kStreamThreads;
+  const cudaError_t err = allow_smem(row_streamed_kernel<Op, T, VEC>, smem_bytes, lim, configured);
+  if (err != cudaSuccess) return err;
+  row_streamed_kernel<Op, T, VEC><<<grid_size(a.rows, lim.sm_count), kStreamThreads, smem_bytes, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -413,8 +599,8 @@ template <typename Op, typename T, int VEC>
 cudaError_t launch_with_width(const RowArgs<T, Op::kInputs>& a, const DeviceLimits& lim, cudaStream_t stream) {
   if (a.cols <= kMaxRegisterCols) return launch_rows_in_registers<Op, T, VEC, 1, 1>(a, lim, stream);
   const int64_t row_bytes = Op::kInputs * a.cols * static_cast<int64_t>(sizeof(T));
-  if (row_bytes <= lim.smem_optin - kReservedSmemBytes) return launch_row_per_block<Op, T, VEC, true>(a, lim, stream);
-  return launch_row_per_block<Op, T, VEC, false>(a, lim, stream);
+  if (row_bytes <= lim.smem_optin - kReservedSmemBytes) return launch_row_in_smem<Op, T, VEC>(a, lim, stream);
+  return launch_row_streamed<Op, T, VEC>(a, lim, stream);
 }
 
 template <typename Op, typename T>

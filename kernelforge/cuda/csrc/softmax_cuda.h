@@ -10,7 +10,8 @@
 // Math is fp32 for every dtype; results are rounded once to the storage dtype.
 // Both functions launch asynchronously on `stream` and return cudaGetLastError() after
 // the launch (cudaSuccess without launching anything when rows == 0 or cols == 0,
-// cudaErrorInvalidValue for negative sizes/strides or an unknown dtype).
+// cudaErrorInvalidValue for negative sizes/strides, cols >= 2^31 or an unknown dtype).
+// Rows may number 2^31 and more. Needs sm_80 or newer (cp.async); tuned for sm_90.
 #pragma once
 
 #include <cstdint>
