@@ -17,7 +17,10 @@ def rows_view(x: torch.Tensor, dim: int) -> torch.Tensor:
     A view when x's layout allows it (any dense or row-sliced layout with `dim` innermost),
     otherwise one copy. `dim` must be normalized and x non-empty.
     """
-    moved = x.movedim(dim, -1) if x.dim() > 0 else x.reshape(1)
+    if x.dim() == 0:
+        moved = x.reshape(1)
+    else:  # movedim is a no-op for the last dim, but not free: skip it on the hot path
+        moved = x if dim == x.dim() - 1 else x.movedim(dim, -1)
     x2d = moved.reshape(-1, moved.shape[-1])
     if x2d.stride(1) != 1 and x2d.shape[1] > 1:
         x2d = x2d.contiguous()
@@ -44,8 +47,9 @@ def empty_rows_output(x: torch.Tensor, dim: int, like: torch.Tensor | None = Non
 
 def from_rows(out2d: torch.Tensor, x: torch.Tensor, dim: int) -> torch.Tensor:
     """Inverse of rows_view for a dense (rows, n) result: x's shape, layout of empty_rows_output."""
-    out = out2d.view(rows_layout_shape(x, dim))
-    return out.movedim(-1, dim) if x.dim() > 0 else out
+    if x.dim() == 0 or dim == x.dim() - 1:
+        return out2d.view(x.shape)
+    return out2d.view(rows_layout_shape(x, dim)).movedim(-1, dim)
 
 
 def run_rows(x: torch.Tensor, dim: int, kernel: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

@@ -48,11 +48,24 @@ def _why_not_reference(x: torch.Tensor, dim: int = -1, log: bool = False):
     return None
 
 
+# Measured on an H100 (benchmarks/results/nvidia-h100/softmax.md): where memory bound the
+# two GPU kernels are within a few percent of each other, Triton slightly ahead from 4096
+# columns up; per call, Triton's launcher costs ~30 us of host time on that machine and
+# the CUDA extension ~7 us, so below this size (where the kernel takes ~10 us) CUDA wins.
+SMALL_INPUT_ELEMENTS = 1 << 23
+
+
 def _preference(x: torch.Tensor, dim: int = -1, log: bool = False):
-    """Fastest-first backend order for these inputs (measured; see benchmarks/results)."""
+    """Fastest-first backend order for these inputs."""
     if x.device.type != "cuda":
         return ("reference",), "the reference is the CPU implementation"
-    return ("triton", "cuda", "reference"), "Triton is the measured default on CUDA"
+    if x.numel() < SMALL_INPUT_ELEMENTS:
+        return ("cuda", "triton", "reference"), (
+            f"under {SMALL_INPUT_ELEMENTS} elements launch cost dominates and the CUDA extension "
+            "launches in ~7 us of host time against Triton's ~30 us (measured on an H100)")
+    return ("triton", "cuda", "reference"), (
+        f"from {SMALL_INPUT_ELEMENTS} elements up the kernels are memory bound and Triton's "
+        "measured at least as fast as CUDA's (H100)")
 
 
 backends.register(OP, "triton", "kernelforge.triton.softmax", _why_not_triton)
@@ -89,20 +102,58 @@ def _forward(name: str, x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
     return run_rows(x, dim, lambda x2d: launchers.softmax_forward_rows(x2d, log))
 
 
+def _backward(name: str, grad_output: torch.Tensor, output: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    """What the registered backward op computes (also called by the eager fast path)."""
+    dim = _check_backward(name, grad_output, output, dim)
+    if output.numel() == 0:
+        return empty_rows_output(output, dim)
+    launchers = _launchers(output, dim)
+    grad2d = launchers.softmax_backward_rows(rows_view(grad_output, dim), rows_view(output, dim), log)
+    return from_rows(grad2d, output, dim)
+
+
 def _plain_eager_call(x: torch.Tensor) -> bool:
-    """True when calling the op would only route x to the implementation: no autograd
-    needed, not tracing or compiling, no tensor subclass, mode or functorch transform.
-    Then the public functions call the implementation directly and skip the dispatcher
-    (about 5-10 us a call for a Python custom op: more than the kernel at small shapes).
-    Everything else (autograd, torch.compile, FakeTensor, vmap...) goes through the op."""
+    """True in plain eager mode: not tracing or compiling, no tensor subclass, mode or
+    functorch transform. Then the public functions skip the dispatcher: they call the
+    implementation directly, through `_EagerAutograd` when a gradient is needed. A Python
+    custom op costs tens of microseconds a call in dispatch and autograd glue (measured
+    with benchmarks/softmax_overhead.py), more than the kernel at small shapes. Everything
+    else (torch.compile, FakeTensor, vmap, torch.func...) goes through the registered op."""
     return (
         not torch.compiler.is_compiling()
         and type(x) is torch.Tensor
-        and not (x.requires_grad and torch.is_grad_enabled())
         and torch._C._len_torch_dispatch_stack() == 0
         and not torch._C._is_torch_function_mode_enabled()
         and not torch._C._are_functorch_transforms_active()
     )
+
+
+class _EagerAutograd(torch.autograd.Function):
+    """The registered op's autograd, without the dispatcher, for plain eager calls.
+    Same implementation, same saved tensor; a double backward (create_graph=True) goes
+    through the registered backward op, which carries its own gradient."""
+
+    @staticmethod
+    def forward(ctx, x, dim: int, name: str, log: bool):
+        y = _forward(name, x, dim, log)
+        ctx.save_for_backward(y)
+        ctx.dim, ctx.name, ctx.log = dim, name, log
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (y,) = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            grad = getattr(torch.ops.kernelforge, f"{ctx.name}_backward")(grad_output, y, ctx.dim)
+        else:
+            grad = _backward(f"{ctx.name}_backward", grad_output, y, ctx.dim, ctx.log)
+        return grad, None, None, None
+
+
+def _eager(name: str, x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    if x.requires_grad and torch.is_grad_enabled():
+        return _EagerAutograd.apply(x, dim, name, log)
+    return _forward(name, x, dim, log)
 
 
 # ----------------------------------------------------------------------------- double backward
@@ -135,12 +186,7 @@ def _define(name: str, log: bool):
 
     @torch.library.custom_op(f"kernelforge::{name}_backward", mutates_args=())
     def backward_op(grad_output: torch.Tensor, output: torch.Tensor, dim: int) -> torch.Tensor:
-        dim = _check_backward(f"{name}_backward", grad_output, output, dim)
-        if output.numel() == 0:
-            return empty_rows_output(output, dim)
-        launchers = _launchers(output, dim)
-        grad2d = launchers.softmax_backward_rows(rows_view(grad_output, dim), rows_view(output, dim), log)
-        return from_rows(grad2d, output, dim)
+        return _backward(f"{name}_backward", grad_output, output, dim, log)
 
     @backward_op.register_fake
     def _(grad_output, output, dim):
@@ -181,12 +227,12 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """softmax along `dim`: exp(x - max) / sum(exp(x - max)), computed in float32 for
     low-precision inputs. Any rank and layout; differentiable; works under torch.compile."""
     if _plain_eager_call(x):
-        return _forward("softmax", x, dim, False)
+        return _eager("softmax", x, dim, False)
     return torch.ops.kernelforge.softmax(x, dim)
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """log of softmax along `dim`: x - max - log(sum(exp(x - max)))."""
     if _plain_eager_call(x):
-        return _forward("log_softmax", x, dim, True)
+        return _eager("log_softmax", x, dim, True)
     return torch.ops.kernelforge.log_softmax(x, dim)

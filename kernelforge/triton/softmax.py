@@ -49,10 +49,31 @@ ONLINE_NUM_WARPS = 16
 
 
 # ----------------------------------------------------------------------------- kernels
+# exp2 / log2 (MUFU, ~2 ulp) are right wherever a result is rounded at the output's scale.
+# log_softmax's gradient multiplies exp(y) by sum(dy), which can be hundreds, so an error
+# in y (from the forward's log of the row sum) or in exp(y) is amplified: those two take
+# libdevice's exp and log (torch's accuracy; one log per row, one exp per element of a
+# memory-bound kernel). The interpreter has no libdevice, hence PRECISE is off there.
+@triton.jit
+def _exp(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp2(x * LOG2E)
+
+
+@triton.jit
+def _log(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        return libdevice.log(x)
+    else:
+        return tl.log2(x) * LN2
+
+
 @triton.jit
 def _softmax_fwd_fused_kernel(
     x_ptr, y_ptr, n_rows, n_cols, x_row_stride, y_row_stride,
-    LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISE: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK_N)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -65,7 +86,7 @@ def _softmax_fwd_fused_kernel(
     e = tl.exp2(shifted * LOG2E)
     denom = tl.sum(e, axis=1)
     if LOG:
-        y = shifted - (tl.log2(denom) * LN2)[:, None]
+        y = shifted - _log(denom, PRECISE)[:, None]
     else:
         y = e * (1.0 / denom)[:, None]
     tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -74,7 +95,7 @@ def _softmax_fwd_fused_kernel(
 @triton.jit
 def _softmax_fwd_online_kernel(
     x_ptr, y_ptr, n_cols, x_row_stride, y_row_stride,
-    LOG: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOG: tl.constexpr, BLOCK_N: tl.constexpr, PRECISE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
@@ -93,7 +114,7 @@ def _softmax_fwd_online_kernel(
         m = m_new
     # Pass 2: normalize. An all -inf row gives NaN, as torch.softmax does.
     inv_s = 1.0 / s
-    log_s = tl.log2(s) * LN2
+    log_s = _log(s, PRECISE)
     for start in range(0, n_cols, BLOCK_N):
         mask = start + cols < n_cols
         x = tl.load(x_row + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
@@ -105,20 +126,9 @@ def _softmax_fwd_online_kernel(
 
 
 @triton.jit
-def _exp(x, PRECISE: tl.constexpr):
-    # exp2 (MUFU.EX2, ~2 ulp) is right wherever the result is rounded to the output scale;
-    # log_softmax backward multiplies exp(y) by sum(dy), which can be hundreds, so there it
-    # takes libdevice's exp (the accuracy of torch's expf). The interpreter has no libdevice.
-    if PRECISE:
-        return libdevice.exp(x)
-    else:
-        return tl.exp2(x * LOG2E)
-
-
-@triton.jit
 def _softmax_bwd_fused_kernel(
     g_ptr, y_ptr, dx_ptr, n_rows, n_cols, g_row_stride, y_row_stride, dx_row_stride,
-    LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISE_EXP: tl.constexpr,
+    LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISE: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK_N)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -126,7 +136,7 @@ def _softmax_bwd_fused_kernel(
     g = tl.load(g_ptr + rows[:, None] * g_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     y = tl.load(y_ptr + rows[:, None] * y_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if LOG:  # dx = dy - exp(y) * sum(dy)
-        dx = g - _exp(y, PRECISE_EXP) * tl.sum(g, axis=1)[:, None]
+        dx = g - _exp(y, PRECISE) * tl.sum(g, axis=1)[:, None]
     else:  # dx = y * (dy - sum(dy * y))
         dx = y * (g - tl.sum(g * y, axis=1)[:, None])
     tl.store(dx_ptr + rows[:, None] * dx_row_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
@@ -135,7 +145,7 @@ def _softmax_bwd_fused_kernel(
 @triton.jit
 def _softmax_bwd_two_pass_kernel(
     g_ptr, y_ptr, dx_ptr, n_cols, g_row_stride, y_row_stride, dx_row_stride,
-    LOG: tl.constexpr, BLOCK_N: tl.constexpr, PRECISE_EXP: tl.constexpr,
+    LOG: tl.constexpr, BLOCK_N: tl.constexpr, PRECISE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     g_row = g_ptr + row * g_row_stride
@@ -157,7 +167,7 @@ def _softmax_bwd_two_pass_kernel(
         g = tl.load(g_row + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         y = tl.load(y_row + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         if LOG:
-            dx = g - _exp(y, PRECISE_EXP) * total
+            dx = g - _exp(y, PRECISE) * total
         else:
             dx = y * (g - total)
         tl.store(dx_row + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask, cache_modifier=".cs")
@@ -218,16 +228,17 @@ def softmax_forward_rows(x2d: torch.Tensor, log: bool, config: Optional[RowConfi
     if y.numel() == 0:
         return y
     cfg = config or default_config(n_rows, n_cols)
+    precise = log and not interpreter_enabled()
     with _on_device(x2d):
         if cfg.fused:
             _softmax_fwd_fused_kernel[(triton.cdiv(n_rows, cfg.block_m),)](
                 x2d, y, n_rows, n_cols, x2d.stride(0), y.stride(0),
-                LOG=log, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                LOG=log, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISE=precise, num_warps=cfg.num_warps,
             )
         else:
             _softmax_fwd_online_kernel[(n_rows,)](
                 x2d, y, n_cols, x2d.stride(0), y.stride(0),
-                LOG=log, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                LOG=log, BLOCK_N=cfg.block_n, PRECISE=precise, num_warps=cfg.num_warps,
             )
     return y
 
@@ -241,17 +252,17 @@ def softmax_backward_rows(
     if dx.numel() == 0:
         return dx
     cfg = config or default_config(n_rows, n_cols, backward=True)
-    precise_exp = log and not interpreter_enabled()
+    precise = log and not interpreter_enabled()
     with _on_device(out2d):
         if cfg.fused:
             _softmax_bwd_fused_kernel[(triton.cdiv(n_rows, cfg.block_m),)](
                 grad2d, out2d, dx, n_rows, n_cols, grad2d.stride(0), out2d.stride(0), dx.stride(0),
-                LOG=log, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISE_EXP=precise_exp,
+                LOG=log, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISE=precise,
                 num_warps=cfg.num_warps,
             )
         else:
             _softmax_bwd_two_pass_kernel[(n_rows,)](
                 grad2d, out2d, dx, n_cols, grad2d.stride(0), out2d.stride(0), dx.stride(0),
-                LOG=log, BLOCK_N=cfg.block_n, PRECISE_EXP=precise_exp, num_warps=cfg.num_warps,
+                LOG=log, BLOCK_N=cfg.block_n, PRECISE=precise, num_warps=cfg.num_warps,
             )
     return dx

@@ -228,17 +228,23 @@ def test_nn_modules(backend, device):
 
 @pytest.mark.parametrize("name", FUNCS)
 def test_eager_fast_path_equals_registered_op(name):
-    # Without autograd, kf.softmax skips the dispatcher; with it (or under a mode) it goes
-    # through torch.ops. Both must give the same tensor, layout included.
+    # In plain eager mode kf.softmax skips the dispatcher (with its own autograd glue when a
+    # gradient is needed); under a mode, a transform or torch.compile it goes through
+    # torch.ops. Both must give the same values, layout and gradients.
     from kernelforge.ops.softmax import _plain_eager_call
 
     op = getattr(torch.ops.kernelforge, name)
     x = torch.randn(6, 5, 7).transpose(0, 2)
-    assert _plain_eager_call(x) and not _plain_eager_call(x.detach().requires_grad_())
-    with torch.no_grad():
-        assert _plain_eager_call(x.detach().requires_grad_())
+    assert _plain_eager_call(x) and _plain_eager_call(x.detach().requires_grad_())
     fast, via_op = FUNCS[name][0](x, 1), op(x, 1)
     assert torch.equal(fast, via_op) and fast.stride() == via_op.stride()
+    xa, xb = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
+    ya, yb = FUNCS[name][0](xa, 1), op(xb, 1)
+    assert type(ya.grad_fn).__name__ == "_EagerAutogradBackward"
+    g = torch.randn_like(ya)
+    ya.backward(g)
+    yb.backward(g)
+    assert torch.equal(xa.grad, xb.grad)
     with torch._subclasses.FakeTensorMode() as mode:
         fake = mode.from_tensor(x)
         assert not _plain_eager_call(fake)
