@@ -19,7 +19,7 @@ import contextlib
 import importlib
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Hashable, Iterator, Optional, Sequence
 
 BACKENDS = ("triton", "cuda", "reference")
 ENV_VAR = "KERNELFORGE_BACKEND"
@@ -28,6 +28,9 @@ ENV_VAR = "KERNELFORGE_BACKEND"
 SupportPredicate = Callable[..., Optional[str]]
 # Returns the backend names to try, fastest first, and a reason for that order.
 PreferenceRule = Callable[..., "tuple[Sequence[str], str]"]
+# Returns a hashable summary of the inputs that fixes the choice (device type, dtype, size
+# bucket...): selection runs on every call, so choices are cached under it.
+ChoiceKey = Callable[..., Hashable]
 
 
 class BackendUnsupportedError(RuntimeError):
@@ -61,6 +64,8 @@ class Choice:
 
 _registry: dict[str, dict[str, Implementation]] = {}
 _preferences: dict[str, PreferenceRule] = {}
+_choice_keys: dict[str, ChoiceKey] = {}
+_choices: dict[tuple, Choice] = {}
 # The backend forced by use_backend(). Process-wide on purpose (like torch.backends flags):
 # autograd runs backward ops on its own threads, and a forced backend must govern them
 # too; a thread- or context-local setting would silently not.
@@ -71,10 +76,23 @@ def register(op: str, backend: str, module: str, supports: SupportPredicate) -> 
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     _registry.setdefault(op, {})[backend] = Implementation(op, backend, module, supports)
+    forget_choices()
 
 
-def set_preference(op: str, rule: PreferenceRule) -> None:
+def set_preference(op: str, rule: PreferenceRule, choice_key: Optional[ChoiceKey] = None) -> None:
+    """`rule` orders the backends for given inputs; `choice_key`, if given, summarizes
+    everything about the inputs that the rule and the support predicates look at, so the
+    choice can be cached under it."""
     _preferences[op] = rule
+    if choice_key is not None:
+        _choice_keys[op] = choice_key
+    forget_choices()
+
+
+def forget_choices() -> None:
+    """Drop cached choices: called when what a predicate sees changes (a registration, an
+    extension that failed to build)."""
+    _choices.clear()
 
 
 def implementations(op: str) -> dict[str, Implementation]:
@@ -117,8 +135,19 @@ def forced_backend() -> Optional[str]:
 
 def select(op: str, *inputs, **options) -> Choice:
     """The implementation that runs `op` on these inputs, and why."""
-    impls = implementations(op)
     forced = forced_backend()
+    key_fn = _choice_keys.get(op)
+    if key_fn is None:
+        return _select(op, forced, inputs, options)
+    key = (op, forced, key_fn(*inputs, **options))
+    choice = _choices.get(key)
+    if choice is None:
+        choice = _choices[key] = _select(op, forced, inputs, options)
+    return choice
+
+
+def _select(op: str, forced: Optional[str], inputs: tuple, options: dict) -> Choice:
+    impls = implementations(op)
     if forced is not None:
         impl = impls.get(forced)
         if impl is None:

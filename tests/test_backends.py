@@ -53,3 +53,16 @@ def test_unknown_names_are_rejected():
             pass
     with pytest.raises(KeyError, match=r"no op named 'softmaxx' is registered"):
         kf.explain("softmaxx", torch.randn(2))
+
+
+def test_choices_are_cached_per_input_class_and_forgotten_on_demand():
+    x = torch.randn(4, 8)
+    first = backends.select("softmax", x)
+    assert backends.select("softmax", torch.randn(2, 3)) is first  # same device, dtype, size class
+    assert backends.select("softmax", x.double()) is not first
+    with kf.use_backend("reference"):
+        assert backends.select("softmax", x).reason == "reference was forced"
+    assert backends.select("softmax", x) is first
+    backends.forget_choices()  # e.g. after an extension failed to build
+    again = backends.select("softmax", x)
+    assert again is not first and again.backend == first.backend

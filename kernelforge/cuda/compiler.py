@@ -174,6 +174,9 @@ class CUDACompiler:
                     module = self._build(module_name, paths, build_dir, archs)
                 except CUDABuildError as err:
                     self.failures[name] = str(err).splitlines()[0]
+                    from kernelforge.backends import forget_choices
+
+                    forget_choices()  # cached choices may name this extension
                     raise
             self._loaded[module_name] = module
             return module

@@ -71,7 +71,12 @@ def _preference(x: torch.Tensor, dim: int = -1, log: bool = False):
 backends.register(OP, "triton", "kernelforge.triton.softmax", _why_not_triton)
 backends.register(OP, "cuda", "kernelforge.cuda.softmax", _why_not_cuda)
 backends.register(OP, "reference", "kernelforge.reference.softmax", _why_not_reference)
-backends.set_preference(OP, _preference)
+def _choice_key(x: torch.Tensor, dim: int = -1, log: bool = False):
+    # everything _preference and the _why_not_* predicates look at
+    return x.device.type, x.dtype, x.numel() < SMALL_INPUT_ELEMENTS
+
+
+backends.set_preference(OP, _preference, _choice_key)
 
 
 # ----------------------------------------------------------------------------- checks
