@@ -1,17 +1,22 @@
 """The accuracy rule of the test suite (DESIGN.md, "Numerics and tests").
 
 A kernel passes when its max error against a float64 oracle is at most twice the error
-of PyTorch's own implementation at the same dtype on the same inputs, plus a floor of
-one unit in the last place at the output's scale (so exact results, where PyTorch's own
-error is 0, still leave room for one rounding).
-
-float64 has no more precise oracle here (PyTorch's float64 error against itself is 0 by
-construction), so float64 results must agree with it within 64 ulp at the output's scale:
-two float64 evaluations of a reduction over a few thousand terms differ by about that.
+of PyTorch's own implementation at the same dtype on the same inputs, plus a floor of a
+few units in the last place at the output's scale:
+- float16 / bfloat16: 1 ulp. One rounding of the output dominates every error there.
+- float32: 4 ulp. The arithmetic dominates (an exp of ~1-2 ulp, a row sum, a division),
+  so PyTorch's own error ranges from under 1 ulp to a few ulp with the inputs, and twice
+  a lucky-small one is a coin flip (seen on an H100: 2.3e-7 against a bound of 2.2e-7 for
+  the plain-PyTorch reference itself). Still ~20x tighter than a 1e-5 relative bound.
+- float64: 64 ulp. There is no more precise oracle here (PyTorch's float64 error against
+  itself is 0 by construction); two float64 reductions over thousands of terms differ by
+  about that.
 """
 from __future__ import annotations
 
 import torch
+
+FLOOR_ULPS = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 4, torch.float64: 64}
 
 
 def ulp(dtype: torch.dtype) -> float:
@@ -35,7 +40,7 @@ def assert_matches_oracle(ours: torch.Tensor, torch_same_dtype: torch.Tensor, or
     finite = oracle[oracle.isfinite()]
     scale = max(1.0, finite.abs().max().item()) if finite.numel() else 1.0
     err, base = max_error(ours, oracle), max_error(torch_same_dtype, oracle)
-    floor = (64 if ours.dtype == torch.float64 else 1) * ulp(ours.dtype) * scale
+    floor = FLOOR_ULPS[ours.dtype] * ulp(ours.dtype) * scale
     bound = 2 * base + floor
     assert err <= bound, (
         f"{what}: max error {err:.3e} exceeds 2 x PyTorch's {base:.3e} + floor "
