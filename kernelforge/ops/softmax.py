@@ -41,7 +41,7 @@ def _why_not_cuda(x: torch.Tensor, dim: int = -1, log: bool = False):
         return f"the CUDA extension runs on CUDA tensors, got a {x.device.type} tensor"
     if x.dtype not in GPU_FLOAT_DTYPES:
         return f"the CUDA kernels take float32/float16/bfloat16, got {x.dtype}"
-    return why_unavailable()
+    return why_unavailable("softmax")
 
 
 def _why_not_reference(x: torch.Tensor, dim: int = -1, log: bool = False):

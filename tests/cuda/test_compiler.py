@@ -109,3 +109,15 @@ def test_second_process_compiles_nothing(tmp_path):
     assert library.stat().st_mtime_ns == mtime
     assert float(second.stdout.strip()) < 2.0, f"second load took {second.stdout.strip()} s"
     assert float(second.stdout.strip()) < float(first.stdout.strip())
+
+
+def test_a_failed_build_is_reported_so_selection_falls_back(monkeypatch):
+    # After an extension fails to build, why_unavailable names it, so the backend registry
+    # stops choosing it (instead of failing every call).
+    import kernelforge.cuda as kcuda
+    from kernelforge.cuda.compiler import get_cuda_compiler
+
+    monkeypatch.setattr(compiler, "why_toolchain_unavailable", lambda: None)
+    monkeypatch.setitem(get_cuda_compiler().failures, "softmax", "nvcc exploded")
+    assert kcuda.why_unavailable() is None
+    assert kcuda.why_unavailable("softmax") == "the softmax extension failed to build: nvcc exploded"
