@@ -1,4 +1,4 @@
-"""The `kernelforge` command: doctor | build | demo."""
+"""The `kernelforge` command: doctor | build | demo | bench."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +12,15 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("build", help="build every CUDA extension ahead of time (cached by source hash)")
     demo = sub.add_parser("demo", help="softmax on the best device here, checked against the reference and timed")
     demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    bench = sub.add_parser("bench", help="benchmark ops against eager, torch.compile and peers; JSON, CSV, Markdown, PNG")
+    bench.add_argument("ops", nargs="*", default=["all"], help="op names (see kernelforge.bench.suites) or 'all'")
+    bench.add_argument("--dtype", default="bf16,fp32", help="comma-separated: bf16, fp16, fp32 (default bf16,fp32)")
+    bench.add_argument("--backend", default=None, help="comma-separated kernelforge backends only, no baselines")
+    bench.add_argument("--quick", action="store_true", help="small shapes, few repeats")
+    bench.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    bench.add_argument("--out", default="bench-results", help="output directory (default bench-results)")
+    bench.add_argument("--compare", nargs=2, metavar=("OLD.json", "NEW.json"),
+                       help="print speedups of NEW over OLD and flag regressions beyond noise; exit 1 if any")
     args = parser.parse_args(argv)
 
     if args.command == "doctor":
@@ -22,9 +31,41 @@ def main(argv: list[str] | None = None) -> int:
         from kernelforge.doctor import run_build
 
         return run_build(sys.stdout)
+    if args.command == "bench":
+        return _bench(args)
     from kernelforge.demo import run_demo
 
     return run_demo(sys.stdout, device=args.device)
+
+
+def _bench(args) -> int:
+    import json
+
+    from kernelforge.bench import report
+
+    if args.compare:
+        old, new = (json.loads(open(path).read()) for path in args.compare)
+        text, regressions = report.compare(old, new)
+        sys.stdout.write(text)
+        return 1 if regressions else 0
+
+    import torch
+
+    from kernelforge.bench.runner import run_bench
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    backends_only = args.backend.split(",") if args.backend else None
+    try:
+        result = run_bench(args.ops, args.dtype.split(","), device, quick=args.quick, backends_only=backends_only,
+                           progress=sys.stderr)
+    except ValueError as err:
+        sys.stderr.write(f"kernelforge bench: {err}\n")
+        return 2
+    paths = report.write_results(result, args.out)
+    sys.stdout.write(report.markdown(result))
+    sys.stdout.write("wrote " + ", ".join(str(p) for p in paths) + "\n")
+    failed = [r for r in result["rows"] if "error" in r]
+    return 1 if failed and all(r["impl"].startswith("kernelforge") for r in failed) else 0
 
 
 if __name__ == "__main__":

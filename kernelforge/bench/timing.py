@@ -77,3 +77,50 @@ def time_function(fn: Callable[[], object], device: torch.device | str = "cuda",
             torch.cuda.synchronize()
             times = [s.elapsed_time(e) for s, e in events]
         return _summary(times)
+
+
+def _device_of(inputs) -> torch.device:
+    """The device of the first tensor found in (nested) inputs; CPU if there is none."""
+    stack = list(inputs)
+    while stack:
+        item = stack.pop(0)
+        if isinstance(item, torch.Tensor):
+            return item.device
+        if isinstance(item, (list, tuple)):
+            stack[:0] = list(item)
+        elif isinstance(item, dict):
+            stack[:0] = list(item.values())
+    return torch.device("cpu")
+
+
+def stats(t: Timing) -> dict:
+    """A Timing as the plain dict the public helpers return (ms fields, plus seconds under
+    the names the design documents use: mean_time, median_time)."""
+    d = t.as_dict()
+    d["mean_time"] = t.mean_ms / 1e3
+    d["median_time"] = t.median_ms / 1e3
+    return d
+
+
+def benchmark_kernel(fn: Callable, inputs=(), warmup: int = 10, repeat: int = 100,
+                     back_to_back: bool = False) -> dict:
+    """Time fn(*inputs) on the inputs' device: median, 20/80% quantiles, min, max, mean."""
+    inputs = tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
+    return stats(time_function(lambda: fn(*inputs), _device_of(inputs), warmup, repeat, back_to_back))
+
+
+def quick_benchmark(fn: Callable, *inputs, warmup: int = 3, repeat: int = 20) -> dict:
+    """A short benchmark_kernel: `quick_benchmark(op, x)["mean_time"]` is seconds per call."""
+    return benchmark_kernel(fn, inputs, warmup=warmup, repeat=repeat)
+
+
+def compare_implementations(implementations: dict, *inputs, warmup: int = 10, repeat: int = 100) -> dict:
+    """{name: stats} for each implementation on the same inputs; one that raises is
+    reported as {"error": "..."} rather than dropped."""
+    results = {}
+    for name, fn in implementations.items():
+        try:
+            results[name] = benchmark_kernel(fn, inputs, warmup=warmup, repeat=repeat)
+        except Exception as err:  # a failing implementation is a result too
+            results[name] = {"error": f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"}
+    return results

@@ -1,0 +1,109 @@
+"""Run benchmark suites: every (shape, dtype, direction) of each op, every implementation,
+one row each, with the roofline figures and the metadata that makes a row comparable."""
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Optional, TextIO
+
+import torch
+
+from kernelforge.bench.roofline import get_ceilings, roofline
+from kernelforge.bench.suites import SUITES, Suite, kernelforge_implementations, missing_peers, shape_label
+from kernelforge.bench.timing import time_function
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Shapes with fewer elements than this are timed as back-to-back calls (per-call host
+# overhead counts, as it does in a model); larger ones with an L2 flush before each run.
+BACK_TO_BACK_BELOW = 1 << 20
+
+
+def metadata(device: torch.device) -> dict:
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    commit = os.environ.get("KERNELFORGE_COMMIT")
+    if commit is None:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or "unknown"
+        except OSError:
+            commit = "unknown"
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)",
+        "device_type": device.type,
+        "torch": torch.__version__, "cuda": torch.version.cuda, "triton": version("triton"),
+        "python": platform.python_version(), "commit": commit,
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _call(fn, inputs: tuple, direction: str):
+    """A no-argument callable running one forward or forward+backward of fn on inputs."""
+    if direction == "fwd":
+        return lambda: fn(*inputs)
+    leaves = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs)
+    differentiable = [t for t in leaves if t.requires_grad]
+    grad_out = torch.randn_like(fn(*leaves))
+    return lambda: torch.autograd.grad(fn(*leaves), differentiable, grad_out)
+
+
+def run_suite(suite: Suite, dtypes: list[str], device: torch.device, quick: bool, backends_only: Optional[list[str]],
+              repeat: int, ceilings, progress: Optional[TextIO] = None) -> list[dict]:
+    shapes = suite.quick_shapes if quick or device.type == "cpu" else suite.shapes
+    cases = [(s, d, direction) for d in dtypes for s in shapes for direction in suite.directions]
+    baselines = suite.baselines() if backends_only is None else {}
+    rows = []
+    for i, (shape, dtype_name, direction) in enumerate(cases, 1):
+        dtype = DTYPES[dtype_name]
+        inputs = suite.make_inputs(shape, dtype, device)
+        impls = {**kernelforge_implementations(suite, inputs[0], backends_only), **baselines}
+        cost = suite.cost(shape, dtype, direction)
+        small = torch.Size(shape).numel() < BACK_TO_BACK_BELOW
+        for name, fn in impls.items():
+            row = {"op": suite.op, "shape": shape_label(shape), "dtype": dtype_name, "direction": direction,
+                   "impl": name, "timing": "back-to-back" if small else "L2 flushed"}
+            try:
+                t = time_function(_call(fn, inputs, direction), device, warmup=5 if quick else 10,
+                                  repeat=repeat, back_to_back=small)
+                row.update(ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, **roofline(cost, t.median_ms, ceilings))
+            except Exception as err:  # a failing implementation is reported, not dropped
+                row["error"] = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:300]}"
+            rows.append(row)
+            if progress is not None:
+                result = f"{row['ms']:.4f} ms" if "ms" in row else "FAILED"
+                progress.write(f"[{i}/{len(cases)}] {suite.op} {row['shape']} {dtype_name} {direction} {name}: {result}\n")
+                progress.flush()
+        del inputs
+    return rows
+
+
+def run_bench(ops: list[str], dtypes: list[str], device: torch.device | str, quick: bool = False,
+              backends_only: Optional[list[str]] = None, repeat: Optional[int] = None,
+              progress: Optional[TextIO] = None) -> dict:
+    """Benchmark `ops` (names in SUITES, or ["all"]); returns {"meta", "ceilings", "rows"}.
+    `progress`, a text stream, gets one line per measurement as it completes."""
+    device = torch.device(device)
+    names = list(SUITES) if ops == ["all"] else ops
+    unknown = [n for n in names if n not in SUITES]
+    if unknown:
+        raise ValueError(f"no benchmark suite for {unknown}; known: {sorted(SUITES)} or 'all'")
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad:
+        raise ValueError(f"unknown dtype(s) {bad}; expected some of {sorted(DTYPES)}")
+    ceilings = get_ceilings(device)
+    repeat = repeat or (10 if quick or device.type == "cpu" else 100)
+    rows = []
+    meta = metadata(device)
+    meta["missing_peers"] = {}
+    for name in names:
+        rows += run_suite(SUITES[name], dtypes, device, quick, backends_only, repeat, ceilings, progress)
+        meta["missing_peers"][name] = missing_peers(SUITES[name])
+    return {"meta": meta, "ceilings": ceilings.as_dict(), "rows": rows}

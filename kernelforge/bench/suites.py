@@ -1,0 +1,88 @@
+"""Benchmark suites: for each op, its shapes, inputs, cost and the implementations to race.
+
+Adding an op to `kernelforge bench` means adding one `Suite` here: the shape grid (the
+large shapes of shared/TARGETS.md, latency shapes where per-call overhead dominates, and
+small CPU shapes), how to make inputs, what one call must move and compute (`Cost`), and
+the baselines (PyTorch eager, torch.compile, peers when importable).
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+import kernelforge as kf
+from kernelforge import backends
+from kernelforge.bench.roofline import Cost
+
+Shape = tuple
+Fn = Callable[..., torch.Tensor]
+
+
+@dataclass
+class Suite:
+    op: str
+    shapes: list[Shape]  # the GPU grid: large shapes first, then latency shapes
+    quick_shapes: list[Shape]  # --quick, and every CPU run
+    make_inputs: Callable[[Shape, torch.dtype, torch.device], tuple]
+    cost: Callable[[Shape, torch.dtype, str], Cost]  # direction: "fwd" | "fwd+bwd"
+    kernelforge: Fn  # the public function (runs on the default or a forced backend)
+    baselines: Callable[[], dict[str, Fn]]  # built lazily: torch.compile and peers are costly
+    peers: dict[str, str] = field(default_factory=dict)  # name -> module that must import
+    directions: tuple[str, ...] = ("fwd", "fwd+bwd")
+
+
+def shape_label(shape: Shape) -> str:
+    return "x".join(str(s) for s in shape)
+
+
+def _softmax_baselines() -> dict[str, Fn]:
+    eager = lambda x: torch.softmax(x, -1)  # noqa: E731
+    return {"torch eager": eager, "torch.compile": torch.compile(eager, dynamic=False)}
+
+
+SUITES: dict[str, Suite] = {
+    "softmax": Suite(
+        op="softmax",
+        shapes=[(16384, 4096), (8192, 16384), (4096, 65536), (1024, 262144), (4096, 1024),
+                (1, 4096), (8, 4096), (32, 4096)],
+        quick_shapes=[(256, 4096), (8, 4096)],
+        make_inputs=lambda shape, dtype, device: (torch.randn(shape, device=device, dtype=dtype) * 3,),
+        # read x, write y; backward reads dy and y and writes dx
+        cost=lambda shape, dtype, direction: Cost(
+            (2 if direction == "fwd" else 5) * torch.Size(shape).numel() * dtype.itemsize),
+        kernelforge=lambda x: kf.softmax(x, -1),
+        baselines=_softmax_baselines,
+    ),
+}
+
+
+def kernelforge_implementations(suite: Suite, sample: torch.Tensor, only: Optional[list[str]] = None) -> dict[str, Fn]:
+    """"kernelforge" (default choice) and "kernelforge[<backend>]" for each backend that can
+    run `sample` here. The Triton interpreter is left out on CPU (far too slow to time)
+    unless asked for by name."""
+    impls: dict[str, Fn] = {}
+    if only is None:
+        impls["kernelforge"] = suite.kernelforge
+    for name, impl in backends.implementations(suite.op).items():
+        if only is not None and name not in only:
+            continue
+        if only is None and name == "triton" and sample.device.type == "cpu":
+            continue
+        if impl.supports(sample) is None:
+            impls[f"kernelforge[{name}]"] = _forced(name, suite.kernelforge)
+    return impls
+
+
+def _forced(backend: str, fn: Fn) -> Fn:
+    def run(*args):
+        with kf.use_backend(backend):
+            return fn(*args)
+
+    return run
+
+
+def missing_peers(suite: Suite) -> list[str]:
+    return [name for name, module in suite.peers.items() if importlib.util.find_spec(module) is None]

@@ -1,0 +1,137 @@
+"""The benchmark harness on the CPU: statistics, roofline figures, the result files and
+their schema, plots, comparisons, profiling, and the CLI end to end."""
+import copy
+import csv
+import json
+import time
+
+import matplotlib.image
+import pytest
+import torch
+
+from kernelforge.bench import (Ceilings, Cost, KernelProfiler, benchmark_kernel, compare_implementations,
+                               profile_model_inference, quick_benchmark, roofline)
+from kernelforge.bench import report
+from kernelforge.bench.runner import run_bench
+from kernelforge.cli import main
+
+
+def test_statistics_of_a_function_with_known_cost():
+    s = benchmark_kernel(time.sleep, (0.004,), warmup=1, repeat=15)
+    assert 4.0 <= s["median_ms"] < 12.0, s  # sleep never returns early; the machine may add a little
+    assert s["min_ms"] <= s["p20_ms"] <= s["median_ms"] <= s["p80_ms"] <= s["max_ms"]
+    assert s["runs"] == 15 and s["mean_time"] == pytest.approx(s["mean_ms"] / 1e3)
+    q = quick_benchmark(time.sleep, 0.002)
+    assert 0.002 <= q["mean_time"] < 0.008 and q["runs"] == 20
+
+
+def test_compare_implementations_reports_failures():
+    def broken(x):
+        raise RuntimeError("no kernel for you\nsecond line")
+
+    results = compare_implementations({"ok": torch.neg, "broken": broken}, torch.randn(10), warmup=1, repeat=3)
+    assert results["ok"]["median_ms"] > 0
+    assert results["broken"] == {"error": "RuntimeError: no kernel for you"}
+
+
+def test_roofline_memory_and_compute_bound():
+    ceilings = Ceilings("test gpu", copy_gbps=1000.0, matmul_tflops={"bf16": 500.0})
+    mem = roofline(Cost(bytes=2 * 10**9), ms=4.0, ceilings=ceilings)
+    assert mem["gbps"] == pytest.approx(500.0) and mem["pct_of_ceiling"] == pytest.approx(50.0)
+    assert mem["ceiling"] == "copy bandwidth"
+    comp = roofline(Cost(bytes=10**6, flops=2 * 10**12, precision="bf16"), ms=10.0, ceilings=ceilings)
+    assert comp["tflops"] == pytest.approx(200.0) and comp["pct_of_ceiling"] == pytest.approx(40.0)
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KERNELFORGE_CACHE_DIR", str(cache))
+        result = run_bench(["softmax"], ["fp32"], "cpu", quick=True, repeat=3, progress=None)
+        out = tmp_path_factory.mktemp("out")
+        paths = report.write_results(result, out)
+    return result, paths, cache
+
+
+def test_run_covers_every_case_and_implementation(cpu_run):
+    result, _, cache = cpu_run
+    meta = result["meta"]
+    for key in ("device", "torch", "cuda", "triton", "python", "commit", "timestamp"):
+        assert key in meta
+    assert result["ceilings"]["copy_gbps"] > 0 and result["ceilings"]["matmul_tflops"]["fp32"] > 0
+    assert meta["device"] in json.loads((cache / "ceilings.json").read_text())  # measured once, cached
+    rows = result["rows"]
+    cases = {(r["shape"], r["direction"]) for r in rows}
+    assert cases == {("256x4096", "fwd"), ("256x4096", "fwd+bwd"), ("8x4096", "fwd"), ("8x4096", "fwd+bwd")}
+    for case in cases:
+        impls = {r["impl"] for r in rows if (r["shape"], r["direction"]) == case}
+        assert impls == {"kernelforge", "kernelforge[reference]", "torch eager", "torch.compile"}
+    for r in rows:
+        assert "error" not in r, r
+        assert r["ms"] > 0 and r["p20_ms"] <= r["ms"] <= r["p80_ms"] and r["gbps"] > 0 and r["pct_of_ceiling"] > 0
+        assert r["timing"] == ("back-to-back" if r["shape"] == "8x4096" else "L2 flushed")
+
+
+def test_result_files_schema(cpu_run):
+    result, paths, _ = cpu_run
+    names = sorted(p.name for p in paths)
+    assert names == ["bench-softmax.png", "bench.csv", "bench.json", "bench.md"]
+    by_name = {p.name: p for p in paths}
+    assert json.loads(by_name["bench.json"].read_text()) == json.loads(json.dumps(result))
+    with by_name["bench.csv"].open() as f:
+        csv_rows = list(csv.DictReader(f))
+    assert len(csv_rows) == len(result["rows"])
+    assert set(report.ROW_COLUMNS + report.META_COLUMNS) == set(csv_rows[0])
+    assert all(r["device"] == result["meta"]["device"] and r["commit"] == result["meta"]["commit"] for r in csv_rows)
+    md = by_name["bench.md"].read_text()
+    assert "| shape | dtype | direction | implementation | ms | GB/s |" in md and "## softmax" in md
+    image = matplotlib.image.imread(by_name["bench-softmax.png"])
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_compare_flags_only_regressions_beyond_noise(cpu_run):
+    result = cpu_run[0]
+    text, regressions = report.compare(result, result)
+    assert regressions == [] and "no regressions beyond noise" in text
+    slower = copy.deepcopy(result)
+    target = slower["rows"][0]
+    for k in ("ms", "p20_ms", "p80_ms"):
+        target[k] *= 3
+    text, regressions = report.compare(result, slower)
+    assert len(regressions) == 1 and regressions[0]["speedup"] == pytest.approx(1 / 3)
+    assert "REGRESSION" in text and "1 regression(s) beyond noise" in text
+    noisy = copy.deepcopy(result)  # slower median but overlapping spreads: noise, not a regression
+    noisy["rows"][0]["ms"] *= 1.2
+    noisy["rows"][0]["p20_ms"] = result["rows"][0]["p20_ms"]
+    assert report.compare(result, noisy)[1] == []
+
+
+def test_cli_bench_and_compare_end_to_end(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KERNELFORGE_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    assert main(["bench", "softmax", "--quick", "--dtype", "fp32", "--backend", "reference", "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert "kernelforge[reference]" in printed.out and "torch eager" not in printed.out  # --backend: no baselines
+    assert "[1/4] softmax 256x4096 fp32 fwd kernelforge[reference]:" in printed.err  # progress
+    for name in ("bench.json", "bench.csv", "bench.md", "bench-softmax.png"):
+        assert (out / name).is_file()
+    assert main(["bench", "--compare", str(out / "bench.json"), str(out / "bench.json")]) == 0
+    assert "no regressions beyond noise" in capsys.readouterr().out
+    assert main(["bench", "nosuchop", "--out", str(out)]) == 2
+    assert "no benchmark suite for ['nosuchop']" in capsys.readouterr().err
+
+
+def test_kernel_profiler_and_model_profile(tmp_path):
+    profiler = KernelProfiler(warmup=1, repeat=3)
+    x = torch.randn(64, 256)
+    results = profiler.compare_implementations({"torch": lambda t: torch.softmax(t, -1),
+                                                "kernelforge": lambda t: __import__("kernelforge").softmax(t)}, args=(x,))
+    assert set(results) == {"torch", "kernelforge"} and all(r["median_ms"] > 0 for r in results.values())
+    png = profiler.plot_comparison(results, tmp_path / "cmp.png")
+    assert matplotlib.image.imread(png).ndim == 3
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 10))
+    rep = profile_model_inference(model, torch.randn(32, 256), warmup=1, repeat=3, top=5)
+    assert rep.median_ms > 0 and rep.peak_memory_bytes is None and 0 < len(rep.top_kernels) <= 5
+    assert any("addmm" in k["name"] or "linear" in k["name"] for k in rep.top_kernels)
+    assert "forward:" in str(rep) and "top kernels" in str(rep)
