@@ -45,6 +45,11 @@ def metadata(device: torch.device) -> dict:
     }
 
 
+def progress_bar(done: int, total: int, width: int = 20) -> str:
+    filled = width * done // max(total, 1)
+    return "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total}"
+
+
 def _call(fn, inputs: tuple, direction: str):
     """A no-argument callable running one forward or forward+backward of fn on inputs."""
     if direction == "fwd":
@@ -79,7 +84,8 @@ def run_suite(suite: Suite, dtypes: list[str], device: torch.device, quick: bool
             rows.append(row)
             if progress is not None:
                 result = f"{row['ms']:.4f} ms" if "ms" in row else "FAILED"
-                progress.write(f"[{i}/{len(cases)}] {suite.op} {row['shape']} {dtype_name} {direction} {name}: {result}\n")
+                progress.write(f"{progress_bar(i, len(cases))} {suite.op} {row['shape']} {dtype_name} {direction} "
+                               f"{name}: {result}\n")
                 progress.flush()
         del inputs
     return rows

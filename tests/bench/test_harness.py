@@ -113,7 +113,8 @@ def test_cli_bench_and_compare_end_to_end(tmp_path, monkeypatch, capsys):
     assert main(["bench", "softmax", "--quick", "--dtype", "fp32", "--backend", "reference", "--out", str(out)]) == 0
     printed = capsys.readouterr()
     assert "kernelforge[reference]" in printed.out and "torch eager" not in printed.out  # --backend: no baselines
-    assert "[1/4] softmax 256x4096 fp32 fwd kernelforge[reference]:" in printed.err  # progress
+    assert "[#####...............] 1/4 softmax 256x4096 fp32 fwd kernelforge[reference]:" in printed.err  # progress
+    assert "[####################] 4/4 softmax 8x4096 fp32 fwd+bwd" in printed.err
     for name in ("bench.json", "bench.csv", "bench.md", "bench-softmax.png"):
         assert (out / name).is_file()
     assert main(["bench", "--compare", str(out / "bench.json"), str(out / "bench.json")]) == 0
