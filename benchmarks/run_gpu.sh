@@ -17,7 +17,7 @@ for stage in $stages; do
            status=$(( status | $? )); tail -3 "$OUT/results/sweep.log" ;;
     overhead) timeout 300 python3 benchmarks/softmax_overhead.py > "$OUT/results/overhead.log" 2>&1
            status=$(( status | $? )); head -14 "$OUT/results/overhead.log" ;;
-    harness) timeout 540 python3 -m kernelforge.cli bench all --out "$OUT/results" > "$OUT/results/harness.log" 2>&1
+    harness) timeout 540 python3 -m kernelforge.cli bench all --crosscheck --out "$OUT/results" > "$OUT/results/harness.log" 2>&1
            status=$(( status | $? )); tail -5 "$OUT/results/harness.log" ;;
     bench) timeout 420 python3 benchmarks/softmax.py --out "$OUT/results" > "$OUT/results/bench.log" 2>&1
            status=$(( status | $? )); cat "$OUT/results/softmax.md" ;;

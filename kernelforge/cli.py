@@ -19,6 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--quick", action="store_true", help="small shapes, few repeats")
     bench.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     bench.add_argument("--out", default="bench-results", help="output directory (default bench-results)")
+    bench.add_argument("--crosscheck", action="store_true",
+                       help="GPU: also time kernelforge's forward with triton.testing.do_bench, as an extra row")
     bench.add_argument("--compare", nargs=2, metavar=("OLD.json", "NEW.json"),
                        help="print speedups of NEW over OLD and flag regressions beyond noise; exit 1 if any")
     args = parser.parse_args(argv)
@@ -57,7 +59,7 @@ def _bench(args) -> int:
     backends_only = args.backend.split(",") if args.backend else None
     try:
         result = run_bench(args.ops, args.dtype.split(","), device, quick=args.quick, backends_only=backends_only,
-                           progress=sys.stderr)
+                           progress=sys.stderr, crosscheck=args.crosscheck)
     except ValueError as err:
         sys.stderr.write(f"kernelforge bench: {err}\n")
         return 2

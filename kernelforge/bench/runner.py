@@ -60,16 +60,29 @@ def _call(fn, inputs: tuple, direction: str):
     return lambda: torch.autograd.grad(fn(*leaves), differentiable, grad_out)
 
 
+def _do_bench_row(fn, inputs: tuple, base: dict) -> dict:
+    """The same forward timed independently by triton.testing.do_bench (median)."""
+    import triton.testing
+
+    ms = triton.testing.do_bench(lambda: fn(*inputs), return_mode="median")
+    keep = ("op", "shape", "dtype", "direction")
+    return {**{k: base[k] for k in keep}, "impl": f"{base['impl']} (triton.testing.do_bench)", "timing": "do_bench",
+            "ms": ms}
+
+
 def run_suite(suite: Suite, dtypes: list[str], device: torch.device, quick: bool, backends_only: Optional[list[str]],
-              repeat: int, ceilings, progress: Optional[TextIO] = None) -> list[dict]:
+              repeat: int, ceilings, progress: Optional[TextIO] = None, crosscheck: bool = False) -> list[dict]:
     shapes = suite.quick_shapes if quick or device.type == "cpu" else suite.shapes
     cases = [(s, d, direction) for d in dtypes for s in shapes for direction in suite.directions]
     baselines = suite.baselines() if backends_only is None else {}
+    kernel_only = suite.kernel_only() if device.type == "cuda" and backends_only is None else {}
     rows = []
     for i, (shape, dtype_name, direction) in enumerate(cases, 1):
         dtype = DTYPES[dtype_name]
         inputs = suite.make_inputs(shape, dtype, device)
         impls = {**kernelforge_implementations(suite, inputs[0], backends_only), **baselines}
+        if direction == "fwd":
+            impls.update(kernel_only)
         cost = suite.cost(shape, dtype, direction)
         small = torch.Size(shape).numel() < BACK_TO_BACK_BELOW
         for name, fn in impls.items():
@@ -82,6 +95,10 @@ def run_suite(suite: Suite, dtypes: list[str], device: torch.device, quick: bool
             except Exception as err:  # a failing implementation is reported, not dropped
                 row["error"] = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:300]}"
             rows.append(row)
+            if crosscheck and "ms" in row and name == "kernelforge" and direction == "fwd" and not small \
+                    and device.type == "cuda":
+                check = _do_bench_row(fn, inputs, row)
+                rows.append({**check, **roofline(cost, check["ms"], ceilings)})
             if progress is not None:
                 result = f"{row['ms']:.4f} ms" if "ms" in row else "FAILED"
                 progress.write(f"{progress_bar(i, len(cases))} {suite.op} {row['shape']} {dtype_name} {direction} "
@@ -93,9 +110,10 @@ def run_suite(suite: Suite, dtypes: list[str], device: torch.device, quick: bool
 
 def run_bench(ops: list[str], dtypes: list[str], device: torch.device | str, quick: bool = False,
               backends_only: Optional[list[str]] = None, repeat: Optional[int] = None,
-              progress: Optional[TextIO] = None) -> dict:
+              progress: Optional[TextIO] = None, crosscheck: bool = False) -> dict:
     """Benchmark `ops` (names in SUITES, or ["all"]); returns {"meta", "ceilings", "rows"}.
-    `progress`, a text stream, gets one line per measurement as it completes."""
+    `progress`, a text stream, gets one line per measurement as it completes. `crosscheck`
+    (GPU) re-times kernelforge's forward with triton.testing.do_bench in an extra row."""
     device = torch.device(device)
     names = list(SUITES) if ops == ["all"] else ops
     unknown = [n for n in names if n not in SUITES]
@@ -110,6 +128,6 @@ def run_bench(ops: list[str], dtypes: list[str], device: torch.device | str, qui
     meta = metadata(device)
     meta["missing_peers"] = {}
     for name in names:
-        rows += run_suite(SUITES[name], dtypes, device, quick, backends_only, repeat, ceilings, progress)
+        rows += run_suite(SUITES[name], dtypes, device, quick, backends_only, repeat, ceilings, progress, crosscheck)
         meta["missing_peers"][name] = missing_peers(SUITES[name])
     return {"meta": meta, "ceilings": ceilings.as_dict(), "rows": rows}

@@ -32,6 +32,9 @@ class Suite:
     baselines: Callable[[], dict[str, Fn]]  # built lazily: torch.compile and peers are costly
     peers: dict[str, str] = field(default_factory=dict)  # name -> module that must import
     directions: tuple[str, ...] = ("fwd", "fwd+bwd")
+    # Forward-only diagnostics on a GPU, e.g. the raw kernel launchers without the op layer,
+    # so the cost of dispatch shows as the difference.
+    kernel_only: Callable[[], dict[str, Fn]] = dict
 
 
 def shape_label(shape: Shape) -> str:
@@ -41,6 +44,18 @@ def shape_label(shape: Shape) -> str:
 def _softmax_baselines() -> dict[str, Fn]:
     eager = lambda x: torch.softmax(x, -1)  # noqa: E731
     return {"torch eager": eager, "torch.compile": torch.compile(eager, dynamic=False)}
+
+
+def _softmax_kernel_only() -> dict[str, Fn]:
+    from kernelforge.cuda import why_unavailable
+    from kernelforge.triton.softmax import softmax_forward_rows as triton_rows
+
+    impls = {"triton kernel only": lambda x: triton_rows(x, False)}
+    if why_unavailable("softmax") is None:
+        from kernelforge.cuda.softmax import softmax_forward_rows as cuda_rows
+
+        impls["cuda kernel only"] = lambda x: cuda_rows(x, False)
+    return impls
 
 
 SUITES: dict[str, Suite] = {
@@ -55,6 +70,7 @@ SUITES: dict[str, Suite] = {
             (2 if direction == "fwd" else 5) * torch.Size(shape).numel() * dtype.itemsize),
         kernelforge=lambda x: kf.softmax(x, -1),
         baselines=_softmax_baselines,
+        kernel_only=_softmax_kernel_only,
     ),
 }
 
