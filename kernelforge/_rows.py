@@ -36,12 +36,11 @@ def rows_layout_shape(x: torch.Tensor, dim: int) -> list[int]:
     return shape
 
 
-def empty_rows_output(x: torch.Tensor, dim: int, like: torch.Tensor | None = None) -> torch.Tensor:
+def empty_rows_output(x: torch.Tensor, dim: int) -> torch.Tensor:
     """An uninitialized result with x's shape, laid out as the row kernels write it:
     dense with `dim` innermost. Fake and real implementations both use this, so their
     strides agree."""
-    like = x if like is None else like
-    out = like.new_empty(rows_layout_shape(x, dim))
+    out = x.new_empty(rows_layout_shape(x, dim))
     return out.movedim(-1, dim) if x.dim() > 0 else out
 
 

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from kernelforge._rows import rows_view, run_rows
+from kernelforge._rows import empty_rows_output, rows_view, run_rows
 from kernelforge.cuda.compiler import get_cuda_compiler
 
 
@@ -50,7 +50,7 @@ class SoftMaxOp:
             )
         dim = output.dim() - 1 if output.dim() else 0
         if output.numel() == 0:
-            return run_rows(output, dim, None)
+            return empty_rows_output(output, dim)
         grad2d = rows_view(grad_output, dim)
         return run_rows(output, dim, lambda out2d: self.module.backward(grad2d, out2d, self.log))
 
