@@ -10,6 +10,8 @@
 //   (c) longer rows: a block per row, online max/sum sweep, then a second read of the row.
 #include "softmax_cuda.h"
 
+#include "row_common.cuh"
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -22,7 +24,8 @@ namespace kernelforge {
 namespace cuda_softmax {
 namespace {
 
-constexpr int kWarpSize = 32;
+using namespace row_common;  // conversions, packs, reductions, cp.async, device limits
+
 constexpr int kVectorBytes = 16;            // one LDG.128 / STG.128 per pack
 constexpr int kMaxRegisterCols = 1024;      // (a): <= 32 elements per thread and input
 constexpr int kMaxRegisterElems = 32;
@@ -36,7 +39,6 @@ constexpr int kStreamThreads = 512;         // (c): block size, one block per SM
 constexpr int kStreamStages = 4;            // (c): cp.async ring depth
 constexpr int kStreamStageBytes = 64;       // (c): bytes per thread and stage, all inputs
 constexpr int kMaxPacksPerStep = 8;         // (b), (c): register budget per step
-constexpr int kReservedSmemBytes = 1024;    // static reduction scratch + slack
 constexpr int kMaxBlocksPerSm = 32;         // grid cap; more rows -> grid-stride loops
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -__builtin_huge_valf();
@@ -50,62 +52,9 @@ __device__ __forceinline__ float exp_of(float d) {
   return y;
 }
 
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ void from_float(float* out, float v) { *out = v; }
-__device__ __forceinline__ void from_float(__half* out, float v) { *out = __float2half_rn(v); }
-__device__ __forceinline__ void from_float(__nv_bfloat16* out, float v) { *out = __float2bfloat16_rn(v); }
-__device__ __forceinline__ void from_float(float* out, float v, float w) { out[0] = v, out[1] = w; }
-__device__ __forceinline__ void from_float(__half* out, float v, float w) {
-  *reinterpret_cast<__half2*>(out) = __floats2half2_rn(v, w);
-}
-__device__ __forceinline__ void from_float(__nv_bfloat16* out, float v, float w) {
-  *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(v, w);
-}
-
-// VEC consecutive elements, moved by one memory instruction.
-template <typename T, int VEC>
-struct alignas(sizeof(T) * VEC) Pack {
-  using Elem = T;
-  static constexpr int kVec = VEC;
-  T v[VEC];
-};
-
-template <typename T, int VEC>
-__device__ __forceinline__ void unpack(const Pack<T, VEC>& p, float* out) {
-#pragma unroll
-  for (int j = 0; j < VEC; ++j) out[j] = to_float(p.v[j]);
-}
-
-template <typename T, int VEC>
-__device__ __forceinline__ Pack<T, VEC> pack(const float* in) {
-  Pack<T, VEC> p;
-  if constexpr (VEC == 1) {
-    from_float(&p.v[0], in[0]);
-  } else {
-#pragma unroll
-    for (int j = 0; j < VEC; j += 2) from_float(&p.v[j], in[j], in[j + 1]);  // 2 per F2FP
-  }
-  return p;
-}
-
 // ---------------------------------------------------------------------------------------
-// Row statistics: identity() and allreduce<WIDTH>() over aligned groups of WIDTH lanes.
-// Butterflies of commutative operations: every lane of a group ends with the same bits.
-template <int WIDTH>
-__device__ __forceinline__ float group_max(float v) {
-#pragma unroll
-  for (int mask = WIDTH / 2; mask > 0; mask /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, mask, WIDTH));
-  return v;
-}
-template <int WIDTH>
-__device__ __forceinline__ float group_sum(float v) {
-#pragma unroll
-  for (int mask = WIDTH / 2; mask > 0; mask /= 2) v += __shfl_xor_sync(0xffffffffu, v, mask, WIDTH);
-  return v;
-}
-
+// Row statistics: identity() and allreduce<WIDTH>() over aligned groups of WIDTH lanes
+// (group_max / group_sum of row_common.cuh).
 // Forward: max of the values and sum of exp(v - max), updated online (one pass). The exp
 // reference is the max, or 0 while it is still -inf, so -inf entries contribute 0 instead
 // of exp(-inf - -inf) = NaN. A row that is -inf everywhere keeps max = -inf and yields NaN
@@ -150,18 +99,6 @@ struct Sum {
   template <int WIDTH>
   __device__ Sum allreduce() const { return {group_sum<WIDTH>(value - compensation), 0.f}; }
 };
-
-// Block-wide allreduce; blockDim.x is a multiple of 32.
-template <typename Stats>
-__device__ __forceinline__ Stats block_allreduce(Stats s, Stats* scratch) {
-  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  s = s.template allreduce<kWarpSize>();
-  __syncthreads();  // the previous row is done reading scratch
-  if (lane == 0) scratch[warp] = s;
-  __syncthreads();
-  s = lane < static_cast<int>(blockDim.x / kWarpSize) ? scratch[lane] : Stats::identity();
-  return s.template allreduce<kWarpSize>();  // every warp reduces the partials identically
-}
 
 // ---------------------------------------------------------------------------------------
 // Ops: the inputs of a row, the pad value for lanes past the row end (it must leave the
@@ -345,39 +282,6 @@ __device__ __forceinline__ void store_step(P* out, const float (&v)[Op::kInputs]
   }
 }
 
-// Global -> shared copy of one pack with cp.async: asynchronous, holds no registers.
-template <typename P>
-__device__ __forceinline__ void copy_to_smem_async(P* dst, const P* src) {
-  static_assert(sizeof(P) == 4 || sizeof(P) == 8 || sizeof(P) == 16, "cp.async moves 4, 8 or 16 bytes");
-  const unsigned dst_addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  if constexpr (sizeof(P) == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst_addr), "l"(src) : "memory");
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst_addr), "l"(src), "n"(sizeof(P)) : "memory");
-  }
-}
-
-__device__ __forceinline__ void commit_async_copies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int PENDING>
-__device__ __forceinline__ void wait_async_copies() {  // all but the PENDING newest groups landed
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
-}
-
-// Plain copy (2-byte elements, unaligned rows: no cp.async) of packs first, first + stride,
-// ... < count, BATCH loads in flight at a time.
-template <int BATCH, typename P>
-__device__ __forceinline__ void copy_to_smem_batched(P* dst, const P* src, int first, int stride, int count) {
-  for (int p = first; p < count; p += BATCH * stride) {
-    P batch[BATCH];
-#pragma unroll
-    for (int b = 0; b < BATCH; ++b)
-      if (p + b * stride < count) batch[b] = src[p + b * stride];
-#pragma unroll
-    for (int b = 0; b < BATCH; ++b)
-      if (p + b * stride < count) dst[p + b * stride] = batch[b];
-  }
-}
-
 // Path (b), 1024 < cols and the row (all K inputs) fits in the opt-in shared memory (227 KB
 // on H100/H200: forward up to 57856 fp32 / 115712 fp16 columns, backward half of that).
 // One block per row, grid-stride over rows. Each thread cp.async-copies its own packs
@@ -517,49 +421,6 @@ __global__ void __launch_bounds__(kStreamThreads, 1) row_streamed_kernel(const R
 
 // ---------------------------------------------------------------------------------------
 // Host side.
-
-struct DeviceLimits {
-  int device, sm_count, smem_optin;
-};
-
-// SM count and opt-in shared memory per block of the current device, queried once.
-cudaError_t current_device_limits(DeviceLimits* lim) {
-  constexpr int kMaxCachedDevices = 64;
-  static std::atomic<int> cached_sm_count[kMaxCachedDevices];
-  static std::atomic<int> cached_smem_optin[kMaxCachedDevices];
-  cudaError_t err = cudaGetDevice(&lim->device);
-  if (err != cudaSuccess) return err;
-  const bool cacheable = lim->device >= 0 && lim->device < kMaxCachedDevices;
-  if (cacheable) {
-    lim->sm_count = cached_sm_count[lim->device].load(std::memory_order_relaxed);
-    lim->smem_optin = cached_smem_optin[lim->device].load(std::memory_order_relaxed);
-    if (lim->sm_count > 0 && lim->smem_optin > 0) return cudaSuccess;
-  }
-  err = cudaDeviceGetAttribute(&lim->sm_count, cudaDevAttrMultiProcessorCount, lim->device);
-  if (err == cudaSuccess)
-    err = cudaDeviceGetAttribute(&lim->smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, lim->device);
-  if (err != cudaSuccess) return err;
-  if (cacheable) {
-    cached_sm_count[lim->device].store(lim->sm_count, std::memory_order_relaxed);
-    cached_smem_optin[lim->device].store(lim->smem_optin, std::memory_order_relaxed);
-  }
-  return cudaSuccess;
-}
-
-unsigned grid_size(int64_t work_blocks, int64_t cap) {
-  return static_cast<unsigned>(work_blocks < cap ? work_blocks : cap);
-}
-
-// Dynamic shared memory above the default 48 KB needs an opt-in, once per kernel and device.
-template <typename Kernel>
-cudaError_t allow_smem(Kernel kernel, size_t bytes, const DeviceLimits& lim, std::atomic<uint64_t>& configured) {
-  const uint64_t bit = lim.device < 64 ? uint64_t{1} << lim.device : 0;
-  if (bytes <= 48 * 1024 || (bit != 0 && (configured.load(std::memory_order_relaxed) & bit))) return cudaSuccess;
-  const cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, lim.smem_optin - kReservedSmemBytes);
-  if (err == cudaSuccess) configured.fetch_or(bit, std::memory_order_relaxed);
-  return err;
-}
 
 // Path (a): picks LANES (threads per row) and PACKS (packs per thread) for cols.
 template <typename Op, typename T, int VEC, int PACKS, int LANES>
