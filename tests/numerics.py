@@ -8,11 +8,17 @@ few units in the last place at the output's scale:
   so PyTorch's own error ranges from under 1 ulp to a few ulp with the inputs, and twice
   a lucky-small one is a coin flip (seen on an H100: 2.3e-7 against a bound of 2.2e-7 for
   the plain-PyTorch reference itself). Still ~20x tighter than a 1e-5 relative bound.
-- float64: 64 ulp. There is no more precise oracle here (PyTorch's float64 error against
-  itself is 0 by construction); two float64 reductions over thousands of terms differ by
-  about that.
+- float64: max(64, 4 sqrt(n)) ulp, n the number of terms reduced into each output. There
+  is no more precise oracle here: PyTorch's float64 error against itself is 0 by
+  construction, so the bound must hold the gap between two correct float64 computations
+  that sum in different orders. That gap is a random walk of n roundings and grows like
+  sqrt(n): for the log-softmax gradient (dx = dy - exp(y) * sum(dy)) the worst of 80
+  rows was 8 ulp at n=1000, 38 at 4097, 99 at 65537 and 354 at 262147 (about
+  0.7 sqrt(n)); a flat 64 ulp failed CI at n=65537.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -23,6 +29,12 @@ def ulp(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps
 
 
+def floor_ulps(dtype: torch.dtype, reduced: int) -> float:
+    if dtype == torch.float64:
+        return max(FLOOR_ULPS[dtype], 4 * math.sqrt(reduced))
+    return FLOOR_ULPS[dtype]
+
+
 def max_error(t: torch.Tensor, oracle: torch.Tensor) -> float:
     diff = (t.double() - oracle).abs()
     both_nan = t.isnan() & oracle.isnan()
@@ -31,8 +43,11 @@ def max_error(t: torch.Tensor, oracle: torch.Tensor) -> float:
     return diff.max().item() if diff.numel() else 0.0
 
 
-def assert_matches_oracle(ours: torch.Tensor, torch_same_dtype: torch.Tensor, oracle: torch.Tensor, what: str = "") -> None:
-    """ours and torch_same_dtype in the tested dtype, oracle in float64 (same shape)."""
+def assert_matches_oracle(
+    ours: torch.Tensor, torch_same_dtype: torch.Tensor, oracle: torch.Tensor, what: str = "", reduced: int = 1
+) -> None:
+    """ours and torch_same_dtype in the tested dtype, oracle in float64 (same shape);
+    reduced: how many terms each output sums over (the row length for a row op)."""
     assert ours.shape == oracle.shape, f"{what}: shape {tuple(ours.shape)} != {tuple(oracle.shape)}"
     assert ours.dtype == torch_same_dtype.dtype, f"{what}: dtype {ours.dtype} != {torch_same_dtype.dtype}"
     oracle = oracle.to(ours.device)
@@ -40,7 +55,7 @@ def assert_matches_oracle(ours: torch.Tensor, torch_same_dtype: torch.Tensor, or
     finite = oracle[oracle.isfinite()]
     scale = max(1.0, finite.abs().max().item()) if finite.numel() else 1.0
     err, base = max_error(ours, oracle), max_error(torch_same_dtype, oracle)
-    floor = FLOOR_ULPS[ours.dtype] * ulp(ours.dtype) * scale
+    floor = floor_ulps(ours.dtype, reduced) * ulp(ours.dtype) * scale
     bound = 2 * base + floor
     assert err <= bound, (
         f"{what}: max error {err:.3e} exceeds 2 x PyTorch's {base:.3e} + floor "
