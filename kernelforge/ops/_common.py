@@ -41,3 +41,19 @@ def check_same(op: str, what: str, names: Sequence[str], values: Sequence[object
         lambda: f"kernelforge.{op}: expected {', '.join(names)} to have the same {what}, got "
         + ", ".join(f"{n}: {v}" for n, v in zip(names, values)),
     )
+
+
+def plain_eager_call(x: torch.Tensor) -> bool:
+    """True in plain eager mode: not tracing or compiling, no tensor subclass, mode or
+    functorch transform. Then the public functions skip the dispatcher: they call the
+    implementation directly, through an autograd.Function when a gradient is needed. A Python
+    custom op costs tens of microseconds a call in dispatch and autograd glue (measured
+    with benchmarks/softmax_overhead.py), more than the kernel at small shapes. Everything
+    else (torch.compile, FakeTensor, vmap, torch.func...) goes through the registered op."""
+    return (
+        not torch.compiler.is_compiling()
+        and type(x) is torch.Tensor
+        and torch._C._len_torch_dispatch_stack() == 0
+        and not torch._C._is_torch_function_mode_enabled()
+        and not torch._C._are_functorch_transforms_active()
+    )

@@ -21,6 +21,7 @@ import torch
 from kernelforge import backends
 from kernelforge._rows import empty_rows_output, from_rows, rows_view, run_rows
 from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, normalize_dim
+from kernelforge.ops._common import plain_eager_call as _plain_eager_call
 
 OP = "softmax"  # the backend registry's name for the family (softmax and log_softmax)
 
@@ -113,22 +114,6 @@ def _backward(name: str, grad_output: torch.Tensor, output: torch.Tensor, dim: i
     launchers = _launchers(output, dim)
     grad2d = launchers.softmax_backward_rows(rows_view(grad_output, dim), rows_view(output, dim), log)
     return from_rows(grad2d, output, dim)
-
-
-def _plain_eager_call(x: torch.Tensor) -> bool:
-    """True in plain eager mode: not tracing or compiling, no tensor subclass, mode or
-    functorch transform. Then the public functions skip the dispatcher: they call the
-    implementation directly, through `_EagerAutograd` when a gradient is needed. A Python
-    custom op costs tens of microseconds a call in dispatch and autograd glue (measured
-    with benchmarks/softmax_overhead.py), more than the kernel at small shapes. Everything
-    else (torch.compile, FakeTensor, vmap, torch.func...) goes through the registered op."""
-    return (
-        not torch.compiler.is_compiling()
-        and type(x) is torch.Tensor
-        and torch._C._len_torch_dispatch_stack() == 0
-        and not torch._C._is_torch_function_mode_enabled()
-        and not torch._C._are_functorch_transforms_active()
-    )
 
 
 class _EagerAutograd(torch.autograd.Function):

@@ -29,6 +29,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernelforge.triton import interpreter_enabled
+from kernelforge.triton._launch import on_device, warps_for
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * log2(e)): exp2 is the SFU's native op
 LN2 = tl.constexpr(0.6931471805599453)
@@ -185,39 +186,12 @@ class RowConfig:
     num_warps: int
 
 
-def _warps_for(elements: int) -> int:
-    # About 32 elements a thread: the H200 sweep's best (or within noise of it) at 1024,
-    # 4096 and 16384 columns; 32768 columns take 32 warps, the most a program may have.
-    for warps in (4, 8, 16):
-        if elements <= warps * 32 * 32:
-            return warps
-    return 32
-
-
 def default_config(n_rows: int, n_cols: int, backward: bool = False) -> RowConfig:
     if n_cols <= (FUSED_MAX_COLS_BACKWARD if backward else FUSED_MAX_COLS):
         block_n = triton.next_power_of_2(n_cols)
         block_m = max(1, min(ROW_TILE_ELEMS // block_n, triton.next_power_of_2(n_rows)))
-        return RowConfig(True, block_m, block_n, _warps_for(block_m * block_n))
+        return RowConfig(True, block_m, block_n, warps_for(block_m * block_n))
     return RowConfig(False, 1, ONLINE_BLOCK_N, ONLINE_NUM_WARPS)
-
-
-class _on_device:
-    """Make x's device current for the launch when it is not (Triton launches on the
-    current device); costs nothing in the common case."""
-
-    def __init__(self, x: torch.Tensor):
-        self.guard = None
-        if x.device.type == "cuda" and x.device.index != torch.cuda.current_device():
-            self.guard = torch.cuda.device(x.device)
-
-    def __enter__(self):
-        if self.guard is not None:
-            self.guard.__enter__()
-
-    def __exit__(self, *exc):
-        if self.guard is not None:
-            self.guard.__exit__(*exc)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -229,7 +203,7 @@ def softmax_forward_rows(x2d: torch.Tensor, log: bool, config: Optional[RowConfi
         return y
     cfg = config or default_config(n_rows, n_cols)
     precise = log and not interpreter_enabled()
-    with _on_device(x2d):
+    with on_device(x2d):
         if cfg.fused:
             _softmax_fwd_fused_kernel[(triton.cdiv(n_rows, cfg.block_m),)](
                 x2d, y, n_rows, n_cols, x2d.stride(0), y.stride(0),
@@ -253,7 +227,7 @@ def softmax_backward_rows(
         return dx
     cfg = config or default_config(n_rows, n_cols, backward=True)
     precise = log and not interpreter_enabled()
-    with _on_device(out2d):
+    with on_device(out2d):
         if cfg.fused:
             _softmax_bwd_fused_kernel[(triton.cdiv(n_rows, cfg.block_m),)](
                 grad2d, out2d, dx, n_rows, n_cols, grad2d.stride(0), out2d.stride(0), dx.stride(0),

@@ -237,7 +237,7 @@ def test_eager_fast_path_equals_registered_op(name):
     # In plain eager mode kf.softmax skips the dispatcher (with its own autograd glue when a
     # gradient is needed); under a mode, a transform or torch.compile it goes through
     # torch.ops. Both must give the same values, layout and gradients.
-    from kernelforge.ops.softmax import _plain_eager_call
+    from kernelforge.ops._common import plain_eager_call as _plain_eager_call
 
     op = getattr(torch.ops.kernelforge, name)
     x = torch.randn(6, 5, 7).transpose(0, 2)

@@ -1,0 +1,438 @@
+"""layer_norm, rms_norm and their residual-add forms: schemas, checks, fakes, autograd, dispatch.
+
+Registered ops (each with a fake implementation; normalization over the trailing
+`normalized_shape` dims; mean and rstd are float32 (float64 for float64 input), shaped
+like x without those dims):
+    kernelforge::layer_norm(x, normalized_shape, weight?, bias?, eps, offset) -> (y, mean, rstd)
+    kernelforge::add_layer_norm(x, residual, normalized_shape, weight?, bias?, eps, offset)
+        -> (y, residual_out, mean, rstd)
+    kernelforge::rms_norm(x, normalized_shape, weight?, bias?, eps, offset) -> (y, rstd)
+    kernelforge::add_rms_norm(x, residual, normalized_shape, weight?, bias?, eps, offset)
+        -> (y, residual_out, rstd)
+    kernelforge::layer_norm_backward(grad_y, grad_residual?, h, normalized_shape, weight?,
+        bias?, mean, rstd, eps, offset, weight_grads) -> [grad_h, grad_weight?, grad_bias?]
+    kernelforge::rms_norm_backward(grad_y, grad_residual?, h, normalized_shape, weight?,
+        bias?, rstd, eps, offset, weight_grads) -> [grad_h, grad_weight?, grad_bias?]
+h is the normalized input: x, or residual_out = x + residual for the add_ forms (whose
+gradient reaches x and residual alike). The backward ops return grad_weight / grad_bias
+only when weight_grads is set and the parameter exists (a list, since a schema cannot
+return an optional tensor); `bias` is passed to them for its presence and dtype.
+y = norm(h) * (weight + offset) + bias; offset 1.0 with RMS gives Gemma's x * (1 + w).
+
+Every backend implements two row launchers (see kernelforge.reference.norms) on (rows, n)
+views with unit column stride; this module flattens the normalized dims into n.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from kernelforge import backends
+from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, plain_eager_call
+
+OP = "norms"  # the backend registry's name for the family: the norms share kernels and rules
+
+
+# ----------------------------------------------------------------------------- dispatch
+def _why_not_triton(x: torch.Tensor, weight=None, bias=None):
+    from kernelforge.triton import why_unavailable
+
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype not in GPU_FLOAT_DTYPES:
+            return f"Triton kernels take float32/float16/bfloat16, got {name} of {t.dtype}"
+    return why_unavailable(x.device)
+
+
+def _why_not_cuda(x: torch.Tensor, weight=None, bias=None):
+    from kernelforge.cuda import why_unavailable
+
+    if x.device.type != "cuda":
+        return f"the CUDA extension runs on CUDA tensors, got a {x.device.type} tensor"
+    from kernelforge.cuda.norms import why_not
+
+    return why_not(x, weight, bias) or why_unavailable("norms")
+
+
+def _why_not_reference(x: torch.Tensor, weight=None, bias=None):
+    return None
+
+
+def _preference(x: torch.Tensor, weight=None, bias=None):
+    if x.device.type != "cuda":
+        return ("reference",), "the reference is the CPU implementation"
+    return ("triton", "cuda", "reference"), (
+        "not yet measured on a GPU: Triton is the default until the GPU sweep ranks the backends")
+
+
+def _choice_key(x: torch.Tensor, weight=None, bias=None):
+    dtype = lambda t: None if t is None else t.dtype  # noqa: E731
+    return x.device.type, x.dtype, dtype(weight), dtype(bias)
+
+
+backends.register(OP, "triton", "kernelforge.triton.norms", _why_not_triton)
+backends.register(OP, "cuda", "kernelforge.cuda.norms", _why_not_cuda)
+backends.register(OP, "reference", "kernelforge.reference.norms", _why_not_reference)
+backends.set_preference(OP, _preference, _choice_key)
+
+
+# ----------------------------------------------------------------------------- variants
+@dataclass(frozen=True)
+class _Variant:
+    name: str
+    rms: bool
+    residual: bool
+
+    @property
+    def backward_name(self) -> str:
+        return "rms_norm_backward" if self.rms else "layer_norm_backward"
+
+    def outputs(self, y, residual_out, mean, rstd) -> tuple:
+        """The registered forward op's outputs, in schema order."""
+        return (y,) + ((residual_out,) if self.residual else ()) + (() if self.rms else (mean,)) + (rstd,)
+
+    def split_outputs(self, outputs: Sequence[torch.Tensor]):
+        """(y, residual_out or None, mean or None, rstd) from the forward op's outputs."""
+        outputs = list(outputs)
+        y = outputs.pop(0)
+        residual_out = outputs.pop(0) if self.residual else None
+        mean = None if self.rms else outputs.pop(0)
+        return y, residual_out, mean, outputs.pop(0)
+
+
+LAYER_NORM = _Variant("layer_norm", rms=False, residual=False)
+ADD_LAYER_NORM = _Variant("add_layer_norm", rms=False, residual=True)
+RMS_NORM = _Variant("rms_norm", rms=True, residual=False)
+ADD_RMS_NORM = _Variant("add_rms_norm", rms=True, residual=True)
+VARIANTS = (LAYER_NORM, ADD_LAYER_NORM, RMS_NORM, ADD_RMS_NORM)
+
+
+# ----------------------------------------------------------------------------- checks
+def _check_param(op: str, name: str, t: Optional[torch.Tensor], x: torch.Tensor, normalized_shape) -> None:
+    if t is None:
+        return
+    check_floating(op, name, t, FLOAT_DTYPES)
+    check_same(op, "device", ("x", name), (x.device, t.device))
+    torch._check(
+        tuple(t.shape) == tuple(normalized_shape),
+        lambda: f"kernelforge.{op}: {name} must have shape normalized_shape={tuple(normalized_shape)}, "
+        f"got {tuple(t.shape)}")
+
+
+def _check_forward(v: _Variant, x, residual, normalized_shape, weight, bias, eps: float) -> int:
+    """Validates a forward call; returns n, the number of elements normalized together."""
+    check_floating(v.name, "x", x, FLOAT_DTYPES)
+    k = len(normalized_shape)
+    if k == 0:
+        raise ValueError(f"kernelforge.{v.name}: normalized_shape must have at least one dim, got []")
+    if k > x.dim() or tuple(x.shape[x.dim() - k:]) != tuple(normalized_shape):
+        raise ValueError(
+            f"kernelforge.{v.name}: normalized_shape={tuple(normalized_shape)} must match the trailing "
+            f"dims of x, got x of shape {tuple(x.shape)}")
+    if not eps >= 0:
+        raise ValueError(f"kernelforge.{v.name}: eps must be >= 0, got {eps}")
+    if v.residual:
+        check_floating(v.name, "residual", residual, FLOAT_DTYPES)
+        check_same(v.name, "device", ("x", "residual"), (x.device, residual.device))
+        check_same(v.name, "dtype", ("x", "residual"), (x.dtype, residual.dtype))
+        check_same(v.name, "shape", ("x", "residual"), (tuple(x.shape), tuple(residual.shape)))
+    _check_param(v.name, "weight", weight, x, normalized_shape)
+    _check_param(v.name, "bias", bias, x, normalized_shape)
+    return math.prod(normalized_shape)
+
+
+def _check_backward(op: str, grad_y, grad_residual, h, normalized_shape, weight, bias, stats) -> int:
+    names = ("grad_y", "h") + (("grad_residual",) if grad_residual is not None else ())
+    tensors = (grad_y, h) + ((grad_residual,) if grad_residual is not None else ())
+    check_floating(op, "h", h, FLOAT_DTYPES)
+    check_same(op, "device", names, tuple(t.device for t in tensors))
+    check_same(op, "dtype", names, tuple(t.dtype for t in tensors))
+    check_same(op, "shape", names, tuple(tuple(t.shape) for t in tensors))
+    k = len(normalized_shape)
+    torch._check(
+        0 < k <= h.dim() and tuple(h.shape[h.dim() - k:]) == tuple(normalized_shape),
+        lambda: f"kernelforge.{op}: normalized_shape={tuple(normalized_shape)} must match the trailing "
+        f"dims of h, got h of shape {tuple(h.shape)}")
+    for name, s in stats.items():
+        torch._check(
+            tuple(s.shape) == tuple(h.shape[: h.dim() - k]),
+            lambda: f"kernelforge.{op}: {name} must have shape {tuple(h.shape[: h.dim() - k])} "
+            f"(h without the normalized dims), got {tuple(s.shape)}")
+    _check_param(op, "weight", weight, h, normalized_shape)
+    _check_param(op, "bias", bias, h, normalized_shape)
+    return math.prod(normalized_shape)
+
+
+# ----------------------------------------------------------------------------- implementation
+def _rows(t: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
+    """t as (rows, n) with unit column stride: a view when the layout allows, else a copy."""
+    if t is None:
+        return None
+    t2d = t.reshape(-1, n)
+    return t2d if t2d.stride(1) == 1 or n <= 1 else t2d.contiguous()
+
+
+def _flat(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.reshape(-1).contiguous()
+
+
+def _launchers(x: torch.Tensor, weight, bias):
+    if x.numel() == 0:  # nothing to launch: the reference shapes the empty results
+        return backends.implementations(OP)["reference"].launchers()
+    return backends.select(OP, x, weight, bias).implementation.launchers()
+
+
+def _forward(v: _Variant, x, residual, normalized_shape, weight, bias, eps: float, offset: float) -> tuple:
+    """What the registered forward op computes, as its output tuple."""
+    n = _check_forward(v, x, residual, normalized_shape, weight, bias, eps)
+    y, residual_out, mean, rstd = _launchers(x, weight, bias).norm_forward_rows(
+        _rows(x, n), _rows(residual, n), _flat(weight), _flat(bias), eps, v.rms, offset)
+    stats_shape = x.shape[: x.dim() - len(normalized_shape)]
+    return v.outputs(
+        y.view(x.shape), None if residual_out is None else residual_out.view(x.shape),
+        None if mean is None else mean.view(stats_shape), rstd.view(stats_shape))
+
+
+def _backward(op: str, grad_y, grad_residual, h, normalized_shape, weight, bias, mean, rstd,
+              offset: float, weight_grads: bool) -> list:
+    """What the registered backward ops compute."""
+    stats = {"rstd": rstd} if mean is None else {"mean": mean, "rstd": rstd}
+    n = _check_backward(op, grad_y, grad_residual, h, normalized_shape, weight, bias, stats)
+    dh, dw, db = _launchers(h, weight, bias).norm_backward_rows(
+        _rows(grad_y, n), _rows(grad_residual, n), _rows(h, n), _flat(weight), bias is not None,
+        _flat(mean), _flat(rstd), mean is None, offset, weight_grads)
+    grads = [dh.view(h.shape)]
+    if dw is not None:
+        grads.append(dw.view(weight.shape))
+    if db is not None:
+        grads.append(db.to(bias.dtype).view(bias.shape))
+    return grads
+
+
+def _fake_backward(op: str, grad_y, grad_residual, h, normalized_shape, weight, bias, mean, rstd,
+                   weight_grads: bool) -> list:
+    stats = {"rstd": rstd} if mean is None else {"mean": mean, "rstd": rstd}
+    _check_backward(op, grad_y, grad_residual, h, normalized_shape, weight, bias, stats)
+    params = (weight, bias) if weight_grads else ()
+    return [torch.empty_like(h, memory_format=torch.contiguous_format)] + [
+        torch.empty_like(p, memory_format=torch.contiguous_format) for p in params if p is not None]
+
+
+def _double_backward(ctx, grad_grads):
+    """Gradients of a backward op (create_graph=True): autograd through the reference's
+    backward formula, with the statistics recomputed from h so that their dependence on
+    h is counted (the mean and rstd inputs then get no gradient of their own)."""
+    from kernelforge.reference.norms import differentiable_backward
+
+    grad_y, grad_residual, h, weight, bias = ctx.saved_tensors
+    with torch.enable_grad():
+        inputs = [t.detach().requires_grad_() if t is not None else None
+                  for t in (grad_y, grad_residual, h, weight)]
+        outputs = differentiable_backward(*inputs, ctx.normalized_shape, bias is not None, ctx.eps, ctx.rms,
+                                          ctx.offset, ctx.weight_grads)
+        outputs = [o for o in outputs if o is not None]  # aligned with the op's output list
+        pairs = [(o, g) for o, g in zip(outputs, grad_grads) if g is not None]
+        wrt = [t for t in inputs if t is not None]
+        found = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
+                                    allow_unused=True, create_graph=torch.is_grad_enabled())
+    found = iter(found)
+    d_grad_y, d_grad_residual, d_h, d_weight = (next(found) if t is not None else None for t in inputs)
+    stats = (None,) if ctx.rms else (None, None)
+    return (d_grad_y, d_grad_residual, d_h, None, d_weight, None, *stats, None, None, None)
+
+
+# ----------------------------------------------------------------------------- autograd
+def _fake_forward(v: _Variant, x, residual, normalized_shape, weight, bias, eps: float, offset: float) -> tuple:
+    _check_forward(v, x, residual, normalized_shape, weight, bias, eps)
+    stats_shape = x.shape[: x.dim() - len(normalized_shape)]
+    stats_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    new_stat = lambda: x.new_empty(stats_shape, dtype=stats_dtype)  # noqa: E731
+    dense = lambda: torch.empty_like(x, memory_format=torch.contiguous_format)  # noqa: E731
+    return v.outputs(dense(), dense() if v.residual else None, None if v.rms else new_stat(), new_stat())
+
+
+def _save_for_backward(ctx, v: _Variant, x, normalized_shape, weight, bias, eps, offset, outputs) -> None:
+    _, residual_out, mean, rstd = v.split_outputs(outputs)
+    ctx.save_for_backward(residual_out if v.residual else x, weight, bias, mean, rstd)
+    ctx.normalized_shape, ctx.eps, ctx.offset = normalized_shape, eps, offset
+
+
+def _input_grads(ctx, v: _Variant, grads, run_backward, weight_grads: bool) -> tuple:
+    """Gradients for (x, [residual], normalized_shape, weight, bias, eps, offset) from the
+    gradients of the forward outputs; run_backward is the backward op or its implementation."""
+    h, weight, bias, mean, rstd = ctx.saved_tensors
+    grad_y = grads[0] if grads[0] is not None else torch.zeros_like(h)
+    grad_residual = grads[1] if v.residual else None
+    stats = (rstd,) if v.rms else (mean, rstd)
+    result = iter(run_backward(grad_y, grad_residual, h, ctx.normalized_shape, weight, bias, *stats,
+                               ctx.eps, ctx.offset, weight_grads))
+    grad_h = next(result)
+    grad_weight = next(result) if weight_grads and weight is not None else None
+    grad_bias = next(result) if weight_grads and bias is not None else None
+    return ((grad_h, grad_h) if v.residual else (grad_h,)) + (None, grad_weight, grad_bias, None, None)
+
+
+def _backward_impl(v: _Variant):
+    """The backward op's implementation with the op's argument order."""
+    if v.rms:
+        return lambda gy, gr, h, ns, w, b, rstd, eps, offset, wg: _backward(
+            v.backward_name, gy, gr, h, ns, w, b, None, rstd, offset, wg)
+    return lambda gy, gr, h, ns, w, b, mean, rstd, eps, offset, wg: _backward(
+        v.backward_name, gy, gr, h, ns, w, b, mean, rstd, offset, wg)
+
+
+class _EagerNorm(torch.autograd.Function):
+    """The registered ops' autograd without the dispatcher, for plain eager calls (as for
+    softmax: dispatch glue costs more than small kernels). A double backward goes through
+    the registered backward op, which carries its own gradient."""
+
+    @staticmethod
+    def forward(ctx, v: _Variant, x, residual, normalized_shape, weight, bias, eps, offset):
+        outputs = _forward(v, x, residual, normalized_shape, weight, bias, eps, offset)
+        _save_for_backward(ctx, v, x, normalized_shape, weight, bias, eps, offset, outputs)
+        ctx.variant = v
+        _, _, mean, rstd = v.split_outputs(outputs)
+        ctx.mark_non_differentiable(*(s for s in (mean, rstd) if s is not None))
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        v = ctx.variant
+        weight_grads = ctx.needs_input_grad[4] or ctx.needs_input_grad[5]
+        run = getattr(torch.ops.kernelforge, v.backward_name) if torch.is_grad_enabled() else _backward_impl(v)
+        grads = _input_grads(ctx, v, grads, run, weight_grads)
+        if not v.residual:  # this Function always has a residual slot
+            grads = grads[:1] + (None,) + grads[1:]
+        return (None,) + grads
+
+
+# ----------------------------------------------------------------------------- registration
+def _define_backward(rms: bool):
+    name = "rms_norm_backward" if rms else "layer_norm_backward"
+    stats = "Tensor rstd" if rms else "Tensor mean, Tensor rstd"
+    schema = (f"(Tensor grad_y, Tensor? grad_residual, Tensor h, int[] normalized_shape, Tensor? weight, "
+              f"Tensor? bias, {stats}, float eps, float offset, bool weight_grads) -> Tensor[]")
+    v = RMS_NORM if rms else LAYER_NORM
+    op = torch.library.custom_op(f"kernelforge::{name}", _backward_impl(v), mutates_args=(), schema=schema)
+
+    if rms:
+        def fake(gy, gr, h, ns, w, b, rstd, eps, offset, wg):
+            return _fake_backward(name, gy, gr, h, ns, w, b, None, rstd, wg)
+    else:
+        def fake(gy, gr, h, ns, w, b, mean, rstd, eps, offset, wg):
+            return _fake_backward(name, gy, gr, h, ns, w, b, mean, rstd, wg)
+    op.register_fake(fake)
+
+    def setup_context(ctx, inputs, output):
+        grad_y, grad_residual, h, normalized_shape, weight, bias = inputs[:6]
+        eps, offset, weight_grads = inputs[-3:]
+        ctx.save_for_backward(grad_y, grad_residual, h, weight, bias)
+        ctx.normalized_shape, ctx.eps, ctx.offset, ctx.rms, ctx.weight_grads = (
+            normalized_shape, eps, offset, rms, weight_grads)
+
+    op.register_autograd(_double_backward, setup_context=setup_context)
+    return op
+
+
+def _define_forward(v: _Variant, backward_op):
+    residual_arg = "Tensor residual, " if v.residual else ""
+    n_outputs = 1 + v.residual + (not v.rms) + 1
+    schema = (f"(Tensor x, {residual_arg}int[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
+              f"float offset) -> ({', '.join(['Tensor'] * n_outputs)})")
+    if v.residual:
+        def forward(x, residual, normalized_shape, weight, bias, eps, offset):
+            return _forward(v, x, residual, normalized_shape, weight, bias, eps, offset)
+
+        def fake(x, residual, normalized_shape, weight, bias, eps, offset):
+            return _fake_forward(v, x, residual, normalized_shape, weight, bias, eps, offset)
+    else:
+        def forward(x, normalized_shape, weight, bias, eps, offset):
+            return _forward(v, x, None, normalized_shape, weight, bias, eps, offset)
+
+        def fake(x, normalized_shape, weight, bias, eps, offset):
+            return _fake_forward(v, x, None, normalized_shape, weight, bias, eps, offset)
+
+    op = torch.library.custom_op(f"kernelforge::{v.name}", forward, mutates_args=(), schema=schema)
+    op.register_fake(fake)
+    weight_index = 2 + v.residual
+
+    def setup_context(ctx, inputs, output):
+        x, normalized_shape, weight, bias, eps, offset = (inputs[0],) + tuple(inputs[1 + v.residual:])
+        _save_for_backward(ctx, v, x, normalized_shape, weight, bias, eps, offset, output)
+
+    def backward(ctx, *grads):
+        weight_grads = ctx.needs_input_grad[weight_index] or ctx.needs_input_grad[weight_index + 1]
+        return _input_grads(ctx, v, grads, backward_op, weight_grads)
+
+    op.register_autograd(backward, setup_context=setup_context)
+    return op
+
+
+layer_norm_backward_op = _define_backward(rms=False)
+rms_norm_backward_op = _define_backward(rms=True)
+layer_norm_op = _define_forward(LAYER_NORM, layer_norm_backward_op)
+add_layer_norm_op = _define_forward(ADD_LAYER_NORM, layer_norm_backward_op)
+rms_norm_op = _define_forward(RMS_NORM, rms_norm_backward_op)
+add_rms_norm_op = _define_forward(ADD_RMS_NORM, rms_norm_backward_op)
+
+
+# ----------------------------------------------------------------------------- public API
+def _call(v: _Variant, x, residual, weight, bias, eps, offset, normalized_shape):
+    check_floating(v.name, "x", x, FLOAT_DTYPES)
+    if normalized_shape is None:
+        if x.dim() == 0:
+            raise ValueError(f"kernelforge.{v.name}: x must have at least one dim, got a 0-dim tensor")
+        param = weight if weight is not None else bias
+        normalized_shape = tuple(param.shape) if param is not None else (x.shape[-1],)
+    normalized_shape = [int(s) for s in normalized_shape] if not isinstance(normalized_shape, int) else [normalized_shape]
+    if eps is None:  # torch.nn.RMSNorm's default
+        eps = torch.finfo(x.dtype).eps
+    eps, offset = float(eps), float(offset)
+    if plain_eager_call(x):
+        needs_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (x, residual, weight, bias))
+        if needs_grad:
+            outputs = _EagerNorm.apply(v, x, residual, normalized_shape, weight, bias, eps, offset)
+        else:
+            outputs = _forward(v, x, residual, normalized_shape, weight, bias, eps, offset)
+    else:
+        op = getattr(torch.ops.kernelforge, v.name)
+        args = (x, residual) if v.residual else (x,)
+        outputs = op(*args, normalized_shape, weight, bias, eps, offset)
+    y, residual_out, _, _ = v.split_outputs(outputs)
+    return (y, residual_out) if v.residual else y
+
+
+def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+               eps: float = 1e-5, *, normalized_shape=None, offset: float = 0.0) -> torch.Tensor:
+    """Layer norm over the trailing dims of `normalized_shape` (default: weight's shape, else
+    the last dim): (x - mean) / sqrt(var + eps) * (weight + offset) + bias, in float32 for
+    low-precision inputs. weight and bias are optional; differentiable in all of them."""
+    return _call(LAYER_NORM, x, None, weight, bias, eps, offset, normalized_shape)
+
+
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: Optional[float] = None,
+             offset: float = 0.0, *, bias: Optional[torch.Tensor] = None, normalized_shape=None) -> torch.Tensor:
+    """RMS norm: x / sqrt(mean(x^2) + eps) * (weight + offset) (+ bias). offset=1.0 is Gemma's
+    x * (1 + w); eps=None takes torch.finfo(x.dtype).eps, as torch.nn.RMSNorm does."""
+    return _call(RMS_NORM, x, None, weight, bias, eps, offset, normalized_shape)
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                   bias: Optional[torch.Tensor] = None, eps: float = 1e-5, *, normalized_shape=None,
+                   offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layer_norm(x + residual), x + residual) in one pass: the pre-norm transformer's
+    residual stream. The sum is rounded to x's dtype and normalized as stored."""
+    return _call(ADD_LAYER_NORM, x, residual, weight, bias, eps, offset, normalized_shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                 eps: Optional[float] = None, offset: float = 0.0, *, bias: Optional[torch.Tensor] = None,
+                 normalized_shape=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) in one pass; see add_layer_norm."""
+    return _call(ADD_RMS_NORM, x, residual, weight, bias, eps, offset, normalized_shape)
+
+
+__all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm"]
