@@ -2,14 +2,17 @@
 
     import kernelforge as kf
     y = kf.softmax(x, dim=-1)
+    h = kf.rms_norm(x, weight, eps=1e-6)
     with kf.use_backend("triton"):
         y = kf.log_softmax(x)
     print(kf.explain("softmax", x))
 """
 from kernelforge import nn, ops  # noqa: F401  (ops registers the torch.library operators)
 from kernelforge.backends import BackendUnsupportedError, explain, use_backend
+from kernelforge.ops.norms import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from kernelforge.ops.softmax import log_softmax, softmax
 
 __version__ = "0.1.0"
 
-__all__ = ["BackendUnsupportedError", "explain", "log_softmax", "nn", "softmax", "use_backend"]
+__all__ = ["BackendUnsupportedError", "add_layer_norm", "add_rms_norm", "explain", "layer_norm", "log_softmax",
+           "nn", "rms_norm", "softmax", "use_backend"]
