@@ -35,6 +35,7 @@ class Suite:
     # Forward-only diagnostics on a GPU, e.g. the raw kernel launchers without the op layer,
     # so the cost of dispatch shows as the difference.
     kernel_only: Callable[[], dict[str, Fn]] = dict
+    registry_op: str = ""  # the op's name in kernelforge.backends, when it differs from `op`
 
 
 def shape_label(shape: Shape) -> str:
@@ -58,6 +59,53 @@ def _softmax_kernel_only() -> dict[str, Fn]:
     return impls
 
 
+def _norm_inputs(shape: Shape, dtype: torch.dtype, device: torch.device, bias: bool) -> tuple:
+    n = shape[-1]
+    x = torch.randn(shape, device=device, dtype=dtype) * 2 + 0.5
+    params = (torch.randn(n, device=device, dtype=dtype),) + ((torch.randn(n, device=device, dtype=dtype),) if bias else ())
+    return (x,) + params
+
+
+def _norm_cost(shape: Shape, dtype: torch.dtype, direction: str) -> Cost:
+    # forward reads x and writes y; backward reads dy and x and writes dx (TARGETS.md's
+    # ~5*M*N*E); the weight/bias reads and their gradients are O(N), negligible.
+    return Cost((2 if direction == "fwd" else 5) * torch.Size(shape).numel() * dtype.itemsize)
+
+
+def _layer_norm_baselines() -> dict[str, Fn]:
+    eager = lambda x, w, b: torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b, 1e-5)  # noqa: E731
+    impls = {"torch eager": eager, "torch.compile": torch.compile(eager, dynamic=False)}
+    if importlib.util.find_spec("liger_kernel") is not None:
+        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+
+        impls["liger"] = lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, 1e-5)
+    return impls
+
+
+def _rms_norm_baselines() -> dict[str, Fn]:
+    eager = lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-6)  # noqa: E731
+    impls = {"torch eager": eager, "torch.compile": torch.compile(eager, dynamic=False)}
+    if importlib.util.find_spec("liger_kernel") is not None:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+        impls["liger"] = lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-6)
+    return impls
+
+
+def _norm_kernel_only(rms: bool) -> Callable[[], dict[str, Fn]]:
+    def impls() -> dict[str, Fn]:
+        from kernelforge.triton.norms import norm_forward_rows
+
+        def run(x, w, b=None):
+            return norm_forward_rows(x.view(-1, x.shape[-1]), None, w, b, 1e-6 if rms else 1e-5, rms, 0.0)[0]
+
+        return {"triton kernel only": run}
+
+    return impls
+
+
+NORM_SHAPES = [(16384, 4096), (8192, 16384), (4096, 65536), (1, 4096), (8, 4096), (32, 4096)]
+
 SUITES: dict[str, Suite] = {
     "softmax": Suite(
         op="softmax",
@@ -72,6 +120,30 @@ SUITES: dict[str, Suite] = {
         baselines=_softmax_baselines,
         kernel_only=_softmax_kernel_only,
     ),
+    "layer_norm": Suite(
+        op="layer_norm",
+        registry_op="norms",
+        shapes=NORM_SHAPES,
+        quick_shapes=[(256, 4096), (8, 4096)],
+        make_inputs=lambda shape, dtype, device: _norm_inputs(shape, dtype, device, bias=True),
+        cost=_norm_cost,
+        kernelforge=lambda x, w, b: kf.layer_norm(x, w, b, 1e-5),
+        baselines=_layer_norm_baselines,
+        peers={"liger": "liger_kernel"},
+        kernel_only=_norm_kernel_only(rms=False),
+    ),
+    "rms_norm": Suite(
+        op="rms_norm",
+        registry_op="norms",
+        shapes=NORM_SHAPES,
+        quick_shapes=[(256, 4096), (8, 4096)],
+        make_inputs=lambda shape, dtype, device: _norm_inputs(shape, dtype, device, bias=False),
+        cost=_norm_cost,
+        kernelforge=lambda x, w: kf.rms_norm(x, w, 1e-6),
+        baselines=_rms_norm_baselines,
+        peers={"liger": "liger_kernel"},
+        kernel_only=_norm_kernel_only(rms=True),
+    ),
 }
 
 
@@ -82,7 +154,7 @@ def kernelforge_implementations(suite: Suite, sample: torch.Tensor, only: Option
     impls: dict[str, Fn] = {}
     if only is None:
         impls["kernelforge"] = suite.kernelforge
-    for name, impl in backends.implementations(suite.op).items():
+    for name, impl in backends.implementations(suite.registry_op or suite.op).items():
         if only is not None and name not in only:
             continue
         if only is None and name == "triton" and sample.device.type == "cpu":

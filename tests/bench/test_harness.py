@@ -153,3 +153,15 @@ def test_harness_agrees_with_triton_do_bench(tmp_path, monkeypatch):
     assert abs(ours["ms"] - check["ms"]) <= 0.1 * check["ms"], (ours["ms"], check["ms"])
     assert ("triton kernel only", "fwd") in rows and ("torch.compile", "fwd+bwd") in rows
     assert all("error" not in r for r in result["rows"])
+
+
+def test_every_suite_runs_on_cpu(tmp_path, monkeypatch):
+    # Each op's suite makes its inputs and runs forward and forward+backward on the reference,
+    # with its bytes counted.
+    from kernelforge.bench.suites import SUITES
+
+    monkeypatch.setenv("KERNELFORGE_CACHE_DIR", str(tmp_path))
+    result = run_bench(["all"], ["fp32"], "cpu", quick=True, repeat=2, progress=None, backends_only=["reference"])
+    assert not [r for r in result["rows"] if "error" in r]
+    seen = {(r["op"], r["direction"]) for r in result["rows"] if r["gbps"] > 0}
+    assert seen == {(op, d) for op in SUITES for d in ("fwd", "fwd+bwd")}
