@@ -61,7 +61,7 @@ def run_demo(out: TextIO, device: Optional[str] = None) -> int:
             t = time_function(lambda: fn(x), dev, warmup=3, repeat=repeat, back_to_back=rows * cols < 2**20)
             gbps = 2 * x.numel() * x.element_size() / (t.median_ms * 1e-3) / 1e9
             out.write(f"{f'{rows}x{cols}':>12}  {name:<22} {err:9.2e}  {'ok' if ok else 'FAIL':<5} "
-                      f"{t.median_ms:10.4f} {gbps:8.1f}\n")
+                      f"{t.median_ms:10.4f} {gbps:8.3g}\n")
     out.write("\nGB/s counts the input read once and the output written once.\n")
     out.write("all results match the float64 reference\n" if not failures else f"{failures} result(s) FAILED the check\n")
     return 1 if failures else 0
