@@ -123,6 +123,78 @@ __device__ __forceinline__ void copy_to_smem_batched(P* dst, const P* src, int f
 }
 
 // ---------------------------------------------------------------------------------------
+// Parameters (norm weights and biases, activation biases) whose dtype is known only at run
+// time: a float32 weight next to bf16 rows is common, and a template parameter per
+// parameter dtype would multiply the kernel count. One uniform branch per load.
+// Type codes match the DType enums of the kernel headers: 0 float32, 1 float16, 2 bfloat16.
+constexpr int kParamFloat32 = 0, kParamFloat16 = 1, kParamBFloat16 = 2;
+
+// out[0..VEC) = p[0..VEC) as float, in loads of at most 16 bytes. p must be aligned to
+// min(VEC * sizeof(W), 16) bytes: true when the base is 16-byte aligned and p is the base
+// plus a multiple of VEC elements.
+template <typename W, int VEC>
+__device__ __forceinline__ void load_floats(const W* p, float* out) {
+  constexpr int kChunk = VEC * sizeof(W) <= 16 ? VEC : 16 / static_cast<int>(sizeof(W));
+#pragma unroll
+  for (int c = 0; c < VEC; c += kChunk) unpack(*reinterpret_cast<const Pack<W, kChunk>*>(p + c), out + c);
+}
+
+// out[0..VEC) = param[i..i + VEC) as float, param of type code `type`; i a multiple of VEC.
+template <int VEC>
+__device__ __forceinline__ void load_param(const void* param, int type, int64_t i, float* out) {
+  if (type == kParamFloat32) {
+    load_floats<float, VEC>(static_cast<const float*>(param) + i, out);
+  } else if (type == kParamFloat16) {
+    load_floats<__half, VEC>(static_cast<const __half*>(param) + i, out);
+  } else {
+    load_floats<__nv_bfloat16, VEC>(static_cast<const __nv_bfloat16*>(param) + i, out);
+  }
+}
+
+__device__ __forceinline__ void store_param(void* param, int type, int64_t i, float v) {
+  if (type == kParamFloat32) {
+    from_float(static_cast<float*>(param) + i, v);
+  } else if (type == kParamFloat16) {
+    from_float(static_cast<__half*>(param) + i, v);
+  } else {
+    from_float(static_cast<__nv_bfloat16*>(param) + i, v);
+  }
+}
+
+// Second stage of the deterministic column reductions (weight / bias gradients): out[c] =
+// sum over p < parts of partial[p * cols + c], rounded once to type code `out_type`.
+// Block (kColumnSumCols, kColumnSumSlices): thread (x, y) sums rows y, y + slices, ... of
+// column blockIdx.x * kColumnSumCols + x in that order, then thread (x, 0) adds the slices
+// in order. The order depends only on parts and cols: bitwise reproducible, no atomics.
+constexpr int kColumnSumCols = 32, kColumnSumSlices = 16;
+
+__device__ __forceinline__ void column_sum(const float* partial, int64_t parts, int64_t cols, void* out,
+                                           int out_type) {
+  __shared__ float slices[kColumnSumSlices][kColumnSumCols + 1];
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kColumnSumCols + threadIdx.x;
+  float sum = 0.f;
+  if (col < cols) {
+    int64_t p = threadIdx.y;
+    for (; p + 3 * kColumnSumSlices < parts; p += 4 * kColumnSumSlices) {  // 4 loads in flight
+      float v[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) v[k] = partial[(p + k * kColumnSumSlices) * cols + col];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) sum += v[k];
+    }
+    for (; p < parts; p += kColumnSumSlices) sum += partial[p * cols + col];
+  }
+  slices[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < cols) {
+    float total = 0.f;
+#pragma unroll
+    for (int s = 0; s < kColumnSumSlices; ++s) total += slices[s][threadIdx.x];
+    store_param(out, out_type, col, total);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
 // Host side: launch sizing.
 
 struct DeviceLimits {

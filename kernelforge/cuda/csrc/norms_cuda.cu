@@ -1,0 +1,917 @@
+// Layer norm / RMS norm forward and backward over matrix rows (see norms_cuda.h).
+//
+// Memory bound (~8 FLOPs per element forward, ~14 backward, against 4..6 bytes moved per
+// element for 16-bit data: an H100 has ~20 FLOPs per byte of HBM bandwidth to spare), so
+// the design goal is the minimum DRAM traffic with 16-byte accesses and enough bytes in
+// flight (Little: ~3.35 TB/s x ~0.6 us ~ 2 MB over 132 SMs, ~16 KB per SM). E = sizeof(T),
+// R rows, n columns. One template per kernel over T (float, __half, __nv_bfloat16) and the
+// vector width VEC (16 / E, or 1 for unaligned data); weight / bias dtypes are run-time
+// codes (row_common.cuh load_param). RMS vs layer norm, residual, weight, bias are run-time
+// flags: uniform branches, a few instructions per element, no extra kernel variants.
+//
+// Statistics: each thread merges the exact mean / squared deviations of the values it
+// holds (two passes over registers), threads merge with Chan et al.'s formula in a
+// butterfly whose operands are ordered by lane (every lane ends with the same bits). No
+// sum-of-squares cancellation for layer norm; RMS uses sum(h^2) = m2 + n * mean^2, both
+// terms non-negative. rstd = 1 / sqrtf(.) (IEEE sqrt and division, not the 2-ulp rsqrtf).
+//
+// Forward, by n (elements, the same choice for every VEC):
+//  (a) n <= 512, norm_fwd_regs_kernel<GROUP = 4..32>: GROUP lanes per row, row in
+//      registers (<= 16 values a thread), shuffle reductions; 128-thread blocks hold
+//      128 / GROUP rows, grid-stride over rows (<= 32 blocks per SM).
+//  (b) n <= 8192, norm_fwd_regs_kernel<GROUP = 0>: a block per row, 8 or 16 values a
+//      thread (8 while that keeps the block <= 256 threads, then 16 with <= 512 threads),
+//      block reduction; grid-stride, ~2048 threads per SM. (32 values a thread at 512
+//      threads needs ~145 registers: it spilled, so longer rows take (c).)
+//  (c) longer rows, norm_fwd_long_kernel: 512 threads per row, 32 bytes per thread and
+//      input per step (16-32 KB in flight per block). Pass 1 reads x (+ residual), writes
+//      residual_out, keeps h in shared memory when n * E fits the opt-in limit (227 KB on
+//      H100: up to 116K 16-bit / 58K fp32 columns; 2 blocks per SM when two rows fit) and
+//      merges the statistics; pass 2 reads h back from shared memory (or, for longer rows,
+//      again from global memory: residual_out or x, from L2 while 2 rows per SM fit in the
+//      50 MB L2, i.e. rows up to ~190 KB; from DRAM beyond).
+//  DRAM bytes: R*n*E read + R*n*E written (+ R*n*E read and written with a residual),
+//  + 4-8 bytes of statistics per row; (c) without shared memory reads h twice at worst.
+//  FLOPs: ~8 per element (add, chunk mean and deviation, normalize, scale, shift).
+//
+// Backward (dh = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w), by n:
+//  (a) n <= 512, norm_bwd_regs_kernel<GROUP = 4..32>: 256-thread blocks, GROUP lanes per
+//      row, <= 16 values a thread; (b) n <= 8192, <GROUP = 0>: a block per row, 8 / 16
+//      values a thread, <= 512 threads. Each block owns a contiguous range of rows
+//      (grid ~1024 threads per SM): it reads dy and h once, writes dh, and keeps its weight
+//      and bias gradient partials for its fixed columns in registers (w, dw, db: 3 floats
+//      per value, plus dy and h as raw packs), written once as fp32 [blocks, n] rows
+//      (a sums its row groups through shared memory first, in a fixed order). Unaligned
+//      rows with 16 values a thread spilled (scalar addresses): they take (c)'s kernels.
+//      DRAM bytes: 2*R*n*E read + R*n*E written (+ R*n*E for grad_residual) + partials
+//      (blocks * n * 4 bytes written and read back, L2-sized) + weight once per block.
+//  (c) longer rows: norm_bwd_row_sums_kernel (512 threads per row) reads dy and h for
+//      sum(g) and sum(g * xhat) per row, then norm_bwd_tile_kernel, a 2-D grid of
+//      (2048-column chunk, row range) blocks of 256 threads with 8 fixed columns each,
+//      re-reads dy and h, writes dh and accumulates the partials of its chunk.
+//      DRAM bytes: 4*R*n*E read + R*n*E written (+ grad_residual): the price of rows
+//      longer than registers hold while the column partials stay in registers.
+//  column_sum_kernel then sums the [blocks, n] partials per column in a fixed order.
+//  FLOPs: ~14 per element; the partial sums add 2 FMAs per element.
+#include "norms_cuda.h"
+
+#include "row_common.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+namespace kernelforge {
+namespace cuda_norms {
+namespace {
+
+using namespace row_common;  // conversions, packs, reductions, param loads, device limits
+
+constexpr int kVectorBytes = 16;
+// Forward.
+constexpr int kFwdWarpThreads = 128;       // (a): block size
+constexpr int kFwdMaxElems = 16;           // (a), (b): values per thread (32 spills at 512 threads)
+constexpr int kFwdMaxWarpCols = kWarpSize * kFwdMaxElems;  // 512
+constexpr int kFwdBlockThreads = 256;      // (b): preferred block size ...
+constexpr int kFwdMaxBlockThreads = 512;   //      ... and the largest
+constexpr int kFwdMaxRegisterCols = kFwdMaxBlockThreads * kFwdMaxElems;  // 8192
+constexpr int kLongThreads = 512;          // (c), and the backward row sums
+constexpr int kLongStepBytes = 32;         // (c): bytes per thread, input and step (64 spills)
+// Backward.
+constexpr int kBwdWarpThreads = 256;       // (a): block size
+constexpr int kBwdMaxElems = 16;           // (a), (b): values per thread
+constexpr int kBwdMaxWarpCols = kWarpSize * kBwdMaxElems;  // 512
+constexpr int kBwdBlockThreads = 256;      // (b): preferred block size ...
+constexpr int kBwdMaxBlockThreads = 512;   //      ... and the largest
+constexpr int kBwdMaxRegisterCols = kBwdMaxBlockThreads * kBwdMaxElems;  // 8192
+constexpr int kTileThreads = 256;          // (c): block size
+constexpr int kTileElems = 8;              // (c): columns per thread
+constexpr int kTileCols = kTileThreads * kTileElems;  // 2048 columns per chunk
+constexpr int kTileRows = 2;               // (c): rows loaded at once per thread
+constexpr int kTileBlocksPerSm = 4;        // (c): grid size target
+constexpr int kThreadsPerSm = 1024;        // backward grids: resident threads per SM aimed at
+constexpr int kMaxBlocksPerSm = 32;        // forward grid cap; more rows -> grid-stride loops
+
+// ---------------------------------------------------------------------------------------
+// Statistics.
+
+// Count, mean and sum of squared deviations of a set of values (Chan et al.).
+struct MeanM2 {
+  float count, mean, m2;
+  __device__ static MeanM2 identity() { return {0.f, 0.f, 0.f}; }
+  __device__ static MeanM2 merge(const MeanM2& a, const MeanM2& b) {
+    const float count = a.count + b.count;
+    if (count == 0.f) return a;
+    const float delta = b.mean - a.mean, f = b.count / count;
+    return {count, a.mean + delta * f, a.m2 + b.m2 + delta * delta * a.count * f};
+  }
+  // merge(lower lane, upper lane) on both lanes of a pair: identical bits everywhere.
+  template <int WIDTH>
+  __device__ MeanM2 allreduce() const {
+    MeanM2 s = *this;
+    const int lane = threadIdx.x % kWarpSize;
+#pragma unroll
+    for (int mask = WIDTH / 2; mask > 0; mask /= 2) {
+      const MeanM2 o{__shfl_xor_sync(0xffffffffu, s.count, mask, WIDTH),
+                     __shfl_xor_sync(0xffffffffu, s.mean, mask, WIDTH),
+                     __shfl_xor_sync(0xffffffffu, s.m2, mask, WIDTH)};
+      s = (lane & mask) ? merge(o, s) : merge(s, o);
+    }
+    return s;
+  }
+};
+
+// Stats of v[0..count) (count a multiple of VEC, the valid prefix); v[count..N) are 0.
+template <int N>
+__device__ __forceinline__ MeanM2 chunk_stats(const float (&v)[N], int count) {
+  if (count == 0) return MeanM2::identity();
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < N; ++j) sum += v[j];
+  const float mean = sum / static_cast<float>(count);
+  float m2 = 0.f;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const float d = v[j] - mean;
+    m2 += j < count ? d * d : 0.f;
+  }
+  return {static_cast<float>(count), mean, m2};
+}
+
+struct RowStats {
+  float mean, rstd;  // mean = 0 for RMS norm, so xhat = (h - mean) * rstd for both
+};
+
+__device__ __forceinline__ RowStats finish_stats(const MeanM2& s, int cols, float eps, bool rms) {
+  const float n = static_cast<float>(cols), var = s.m2 / n;
+  if (rms) return {0.f, 1.f / sqrtf(var + s.mean * s.mean + eps)};
+  return {s.mean, 1.f / sqrtf(var + eps)};
+}
+
+// Two sums (backward: sum(g), sum(g * xhat)); addition commutes, so butterflies agree.
+struct Sum2 {
+  float a, b;
+  __device__ static Sum2 identity() { return {0.f, 0.f}; }
+  template <int WIDTH>
+  __device__ Sum2 allreduce() const { return {group_sum<WIDTH>(a), group_sum<WIDTH>(b)}; }
+};
+
+// ---------------------------------------------------------------------------------------
+// Forward.
+
+template <typename T>
+struct FwdArgs {
+  const T* x;
+  const T* res;  // null: no residual
+  int64_t x_stride, res_stride;
+  const void* w;  // null: weight 1, no offset
+  const void* b;  // null: bias 0
+  int w_type, b_type;
+  T* y;        // dense
+  T* res_out;  // dense; written iff res
+  float* mean;  // null: not written
+  float* rstd;
+  int64_t rows;
+  int cols;
+  float eps, offset;
+  bool rms;
+};
+
+// Packs first + u * stride (u < UNROLL) of h's row `row`: h = x, or x + residual rounded to
+// T and stored to residual_out. hp[u] holds the pack as stored, h[u * VEC + j] its values,
+// 0 past the row end or for an inactive row. Returns how many packs are valid: those with
+// index < packs, a prefix of u because the indices increase with u.
+template <typename T, int VEC, int UNROLL>
+__device__ __forceinline__ int load_h(const FwdArgs<T>& a, int64_t row, bool active, int first, int stride,
+                                      int packs, float (&h)[UNROLL * VEC], Pack<T, VEC> (&hp)[UNROLL]) {
+  using P = Pack<T, VEC>;
+  P rp[UNROLL];
+  int valid = 0;
+#pragma unroll
+  for (int u = 0; u < UNROLL; ++u) {  // all loads first
+    const int p = first + u * stride;
+    if (active && p < packs) {
+      hp[u] = reinterpret_cast<const P*>(a.x + row * a.x_stride)[p];
+      if (a.res) rp[u] = reinterpret_cast<const P*>(a.res + row * a.res_stride)[p];
+      ++valid;
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < UNROLL; ++u) {
+    if (u < valid) {
+      if (a.res) {
+        float s[VEC], t[VEC];
+        unpack(hp[u], s);
+        unpack(rp[u], t);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) s[j] += t[j];
+        hp[u] = pack<T, VEC>(s);  // rounded once to T; the norm sees what is stored
+        reinterpret_cast<P*>(a.res_out + row * a.cols)[first + u * stride] = hp[u];
+      }
+      unpack(hp[u], &h[u * VEC]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) h[u * VEC + j] = 0.f;
+    }
+  }
+  return valid;
+}
+
+// y for pack p of row `row` from its h values.
+template <typename T, int VEC>
+__device__ __forceinline__ void store_y(const FwdArgs<T>& a, int64_t row, int p, const float* h, RowStats st) {
+  float w[VEC], b[VEC], o[VEC];
+  if (a.w) load_param<VEC>(a.w, a.w_type, static_cast<int64_t>(p) * VEC, w);
+  if (a.b) load_param<VEC>(a.b, a.b_type, static_cast<int64_t>(p) * VEC, b);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    float v = (h[j] - st.mean) * st.rstd;
+    if (a.w) v *= w[j] + a.offset;
+    if (a.b) v += b[j];
+    o[j] = v;
+  }
+  reinterpret_cast<Pack<T, VEC>*>(a.y + row * a.cols)[p] = pack<T, VEC>(o);
+}
+
+// Paths (a) and (b): GROUP lanes per row (GROUP = 0: the whole block, blockDim.x a multiple
+// of 32), PACKS packs per lane: pack lane + u * lanes, u < PACKS. The caller guarantees
+// lanes * PACKS * VEC >= cols. The row loop is uniform over the block, so every lane
+// reaches every shuffle and barrier; inactive rows run with zeros and store nothing.
+template <typename T, int VEC, int PACKS, int GROUP>
+__global__ void __launch_bounds__(GROUP > 0 ? kFwdWarpThreads : kFwdMaxBlockThreads, 1)
+    norm_fwd_regs_kernel(const FwdArgs<T> a) {
+  constexpr int N = PACKS * VEC;
+  __shared__ MeanM2 scratch[kWarpSize];
+  const int lanes = GROUP > 0 ? GROUP : static_cast<int>(blockDim.x);
+  const int lane = static_cast<int>(threadIdx.x) % lanes, group = static_cast<int>(threadIdx.x) / lanes;
+  const int groups = static_cast<int>(blockDim.x) / lanes, packs = a.cols / VEC;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * groups; base < a.rows;
+       base += static_cast<int64_t>(gridDim.x) * groups) {
+    const int64_t row = base + group;
+    const bool active = row < a.rows;
+    float h[N];
+    Pack<T, VEC> hp[PACKS];
+    const int valid = load_h<T, VEC, PACKS>(a, row, active, lane, lanes, packs, h, hp);
+    MeanM2 s = chunk_stats<N>(h, valid * VEC);
+    if constexpr (GROUP > 0) {
+      s = s.template allreduce<GROUP>();
+    } else {
+      s = block_allreduce(s, scratch);
+    }
+    const RowStats st = finish_stats(s, a.cols, a.eps, a.rms);
+    if (active && lane == 0) {
+      if (a.mean) a.mean[row] = st.mean;
+      a.rstd[row] = st.rstd;
+    }
+#pragma unroll
+    for (int u = 0; u < PACKS; ++u) {
+      if (u < valid) {  // from the packs: h is dead after the statistics (fewer registers for 16-bit T)
+        float hv[VEC];
+        unpack(hp[u], hv);
+        store_y<T, VEC>(a, row, lane + u * lanes, hv, st);
+      }
+    }
+  }
+}
+
+// Path (c): a block per row, grid-stride. Thread t handles packs t + i * blockDim.x, UNROLL
+// of them per step, in both passes: the same thread writes and later reads each shared
+// memory slot (and each residual_out pack), so no barrier orders them.
+template <typename T, int VEC, bool SMEM>
+__global__ void __launch_bounds__(kLongThreads, 1) norm_fwd_long_kernel(const FwdArgs<T> a) {
+  constexpr int UNROLL = kLongStepBytes / static_cast<int>(sizeof(T)) / VEC, N = UNROLL * VEC;
+  using P = Pack<T, VEC>;
+  __shared__ MeanM2 scratch[kWarpSize];
+  extern __shared__ __align__(16) unsigned char dynamic_smem[];
+  P* const cache = reinterpret_cast<P*>(dynamic_smem);  // [packs] when SMEM
+  const int packs = a.cols / VEC, stride = static_cast<int>(blockDim.x), step = stride * UNROLL;
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    MeanM2 s = MeanM2::identity();
+    for (int first = threadIdx.x; first < packs; first += step) {
+      float h[N];
+      P hp[UNROLL];
+      const int valid = load_h<T, VEC, UNROLL>(a, row, true, first, stride, packs, h, hp);
+      if constexpr (SMEM) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+          if (u < valid) cache[first + u * stride] = hp[u];
+      }
+      s = MeanM2::merge(s, chunk_stats<N>(h, valid * VEC));
+    }
+    s = block_allreduce(s, scratch);
+    const RowStats st = finish_stats(s, a.cols, a.eps, a.rms);
+    if (threadIdx.x == 0) {
+      if (a.mean) a.mean[row] = st.mean;
+      a.rstd[row] = st.rstd;
+    }
+    // Pass 2: h again, from shared memory or from what pass 1 read (residual_out / x).
+    const P* const src = reinterpret_cast<const P*>(a.res ? a.res_out + row * a.cols : a.x + row * a.x_stride);
+    for (int first = threadIdx.x; first < packs; first += step) {
+      P hp[UNROLL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const int p = first + u * stride;
+        if (p < packs) {
+          if constexpr (SMEM) {
+            hp[u] = cache[p];
+          } else {
+            hp[u] = src[p];
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const int p = first + u * stride;
+        if (p < packs) {
+          float h[VEC];
+          unpack(hp[u], h);
+          store_y<T, VEC>(a, row, p, h, st);
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Backward.
+
+template <typename T>
+struct BwdArgs {
+  const T* gy;
+  const T* gres;  // null: no grad_residual
+  const T* h;
+  int64_t gy_stride, gres_stride, h_stride;
+  const void* w;  // null: weight 1, no offset
+  int w_type;
+  const float* mean;  // null for RMS norm
+  const float* rstd;
+  T* gh;           // dense
+  float* part_w;   // [parts, cols] or null
+  float* part_b;   // [parts, cols] or null
+  float* row_sums;  // path (c): [rows, 2] = sum(g), sum(g * xhat)
+  int64_t rows, rows_per_part;
+  int cols;
+  float offset;
+};
+
+// Effective weight (w + offset, or 1) of the valid packs first + u * stride, 0 elsewhere.
+template <typename T, int VEC, int PACKS>
+__device__ __forceinline__ void load_weight(const BwdArgs<T>& a, int first, int stride, int valid,
+                                            float (&w)[PACKS * VEC]) {
+#pragma unroll
+  for (int u = 0; u < PACKS; ++u) {
+    if (u < valid && a.w) {
+      load_param<VEC>(a.w, a.w_type, static_cast<int64_t>(first + u * stride) * VEC, &w[u * VEC]);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) w[u * VEC + j] += a.offset;
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) w[u * VEC + j] = u < valid ? 1.f : 0.f;
+    }
+  }
+}
+
+// Number of valid packs among first + u * stride, u < PACKS (a prefix).
+template <int PACKS>
+__device__ __forceinline__ int valid_packs(int first, int stride, int packs) {
+  int valid = 0;
+#pragma unroll
+  for (int u = 0; u < PACKS; ++u) valid += first + u * stride < packs ? 1 : 0;
+  return valid;
+}
+
+// dh for one pack of a row, given dy and xhat of the pack, and the partial accumulation.
+template <typename T, int VEC>
+__device__ __forceinline__ void store_dh(const BwdArgs<T>& a, int64_t row, int p, const float* dy, const float* xh,
+                                         const float* w, float rstd, float mean_g, float mean_gx, float* dw,
+                                         float* db) {
+  using P = Pack<T, VEC>;
+  float gr[VEC], o[VEC];
+  if (a.gres) unpack(reinterpret_cast<const P*>(a.gres + row * a.gres_stride)[p], gr);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    float v = rstd * (dy[j] * w[j] - mean_g - xh[j] * mean_gx);
+    if (a.gres) v += gr[j];
+    o[j] = v;
+    dw[j] += dy[j] * xh[j];
+    db[j] += dy[j];
+  }
+  reinterpret_cast<P*>(a.gh + row * a.cols)[p] = pack<T, VEC>(o);
+}
+
+// Paths (a) and (b). Block b owns rows [b * rows_per_part, (b + 1) * rows_per_part) and
+// writes row b of the partials. Lanes as in the forward; each thread's columns are fixed,
+// so its weight and its partial sums stay in registers across rows.
+template <typename T, int VEC, int PACKS, int GROUP>
+__global__ void __launch_bounds__(GROUP > 0 ? kBwdWarpThreads : kBwdMaxBlockThreads, 1)
+    norm_bwd_regs_kernel(const BwdArgs<T> a) {
+  constexpr int N = PACKS * VEC;
+  using P = Pack<T, VEC>;
+  __shared__ Sum2 scratch[kWarpSize];
+  // (a): the row groups' partials, [groups][cols]; groups * cols <= kBwdWarpThreads * N
+  // because groups = kBwdWarpThreads / GROUP and cols <= GROUP * N.
+  __shared__ float column_buffer[GROUP > 0 ? kBwdWarpThreads * N : 1];
+  const int lanes = GROUP > 0 ? GROUP : static_cast<int>(blockDim.x);
+  const int lane = static_cast<int>(threadIdx.x) % lanes, group = static_cast<int>(threadIdx.x) / lanes;
+  const int groups = static_cast<int>(blockDim.x) / lanes, packs = a.cols / VEC;
+  const int valid = valid_packs<PACKS>(lane, lanes, packs);
+  float w[N], dw[N], db[N];
+  load_weight<T, VEC, PACKS>(a, lane, lanes, valid, w);
+#pragma unroll
+  for (int j = 0; j < N; ++j) dw[j] = db[j] = 0.f;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * a.rows_per_part;
+  const int64_t r1 = r0 + a.rows_per_part < a.rows ? r0 + a.rows_per_part : a.rows;
+  for (int64_t base = r0; base < r1; base += groups) {  // uniform over the block
+    const int64_t row = base + group;
+    const bool active = row < r1;
+    P gyp[PACKS], hpk[PACKS];
+#pragma unroll
+    for (int u = 0; u < PACKS; ++u) {
+      if (active && u < valid) {
+        gyp[u] = reinterpret_cast<const P*>(a.gy + row * a.gy_stride)[lane + u * lanes];
+        hpk[u] = reinterpret_cast<const P*>(a.h + row * a.h_stride)[lane + u * lanes];
+      }
+    }
+    const float rstd = active ? a.rstd[row] : 0.f, mean = active && a.mean ? a.mean[row] : 0.f;
+    // Only the raw packs stay live across the reduction (half the registers of floats for
+    // 16-bit data); each pass unpacks them again.
+    Sum2 s = Sum2::identity();
+#pragma unroll
+    for (int u = 0; u < PACKS; ++u) {
+      if (active && u < valid) {
+        float dy[VEC], xh[VEC];
+        unpack(gyp[u], dy);
+        unpack(hpk[u], xh);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float g = dy[j] * w[u * VEC + j];
+          s.a += g;
+          s.b += g * ((xh[j] - mean) * rstd);
+        }
+      }
+    }
+    if constexpr (GROUP > 0) {
+      s = s.template allreduce<GROUP>();
+    } else {
+      s = block_allreduce(s, scratch);
+    }
+    const float n = static_cast<float>(a.cols);
+    const float mean_g = a.mean ? s.a / n : 0.f, mean_gx = s.b / n;
+#pragma unroll
+    for (int u = 0; u < PACKS; ++u) {
+      if (active && u < valid) {
+        float dy[VEC], xh[VEC];
+        unpack(gyp[u], dy);
+        unpack(hpk[u], xh);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) xh[j] = (xh[j] - mean) * rstd;
+        store_dh<T, VEC>(a, row, lane + u * lanes, dy, xh, &w[u * VEC], rstd, mean_g, mean_gx, &dw[u * VEC],
+                         &db[u * VEC]);
+      }
+    }
+  }
+  // Partials of this block's rows: row blockIdx.x of part_w / part_b.
+  const auto flush = [&](float* part, const float(&acc)[N]) {
+    float* const out = part + static_cast<int64_t>(blockIdx.x) * a.cols;
+    if constexpr (GROUP > 0) {
+      __syncthreads();  // the previous flush is done reading column_buffer
+#pragma unroll
+      for (int u = 0; u < PACKS; ++u)
+        if (u < valid)
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) column_buffer[group * a.cols + (lane + u * lanes) * VEC + j] = acc[u * VEC + j];
+      __syncthreads();
+      for (int c = threadIdx.x; c < a.cols; c += blockDim.x) {
+        float total = 0.f;
+        for (int g = 0; g < groups; ++g) total += column_buffer[g * a.cols + c];  // fixed order
+        out[c] = total;
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < PACKS; ++u)
+        if (u < valid)
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) out[(lane + u * lanes) * VEC + j] = acc[u * VEC + j];
+    }
+  };
+  if (a.part_w) flush(a.part_w, dw);  // kernel arguments: uniform branches
+  if (a.part_b) flush(a.part_b, db);
+}
+
+// Path (c), step 1: row_sums[row] = (sum(g), sum(g * xhat)) with 512 threads per row.
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kLongThreads, 1) norm_bwd_row_sums_kernel(const BwdArgs<T> a) {
+  constexpr int UNROLL = kLongStepBytes / static_cast<int>(sizeof(T)) / VEC;  // >= 1: VEC * E <= 16
+  constexpr int N = UNROLL * VEC;
+  using P = Pack<T, VEC>;
+  __shared__ Sum2 scratch[kWarpSize];
+  const int packs = a.cols / VEC, stride = static_cast<int>(blockDim.x), step = stride * UNROLL;
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    const float rstd = a.rstd[row], mean = a.mean ? a.mean[row] : 0.f;
+    Sum2 s = Sum2::identity();
+    for (int first = threadIdx.x; first < packs; first += step) {
+      const int valid = valid_packs<UNROLL>(first, stride, packs);
+      P gyp[UNROLL], hpk[UNROLL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        if (u < valid) {
+          gyp[u] = reinterpret_cast<const P*>(a.gy + row * a.gy_stride)[first + u * stride];
+          hpk[u] = reinterpret_cast<const P*>(a.h + row * a.h_stride)[first + u * stride];
+        }
+      }
+      float w[N];
+      load_weight<T, VEC, UNROLL>(a, first, stride, valid, w);
+      Sum2 chunk = Sum2::identity();
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        if (u < valid) {
+          float dy[VEC], xh[VEC];
+          unpack(gyp[u], dy);
+          unpack(hpk[u], xh);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) {
+            const float g = dy[j] * w[u * VEC + j];
+            chunk.a += g;
+            chunk.b += g * ((xh[j] - mean) * rstd);
+          }
+        }
+      }
+      s.a += chunk.a;
+      s.b += chunk.b;
+    }
+    s = block_allreduce(s, scratch);
+    if (threadIdx.x == 0) {
+      a.row_sums[2 * row] = s.a;
+      a.row_sums[2 * row + 1] = s.b;
+    }
+  }
+}
+
+// Path (c), step 2: block (x, y) covers columns [x * kTileCols, (x + 1) * kTileCols) of rows
+// [y * rows_per_part, ...): thread t owns packs chunk + t + u * kTileThreads, u < PACKS,
+// for all those rows, kTileRows rows loaded at a time; writes dh and row y of the partials.
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kTileThreads, 1) norm_bwd_tile_kernel(const BwdArgs<T> a) {
+  constexpr int PACKS = kTileElems / VEC, N = kTileElems;
+  using P = Pack<T, VEC>;
+  const int packs = a.cols / VEC;
+  const int first = static_cast<int>(blockIdx.x) * (kTileCols / VEC) + static_cast<int>(threadIdx.x);
+  const int valid = valid_packs<PACKS>(first, kTileThreads, packs);
+  float w[N], dw[N], db[N];
+  load_weight<T, VEC, PACKS>(a, first, kTileThreads, valid, w);
+#pragma unroll
+  for (int j = 0; j < N; ++j) dw[j] = db[j] = 0.f;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * a.rows_per_part;
+  const int64_t r1 = r0 + a.rows_per_part < a.rows ? r0 + a.rows_per_part : a.rows;
+  const float n = static_cast<float>(a.cols);
+  for (int64_t base = r0; base < r1; base += kTileRows) {
+    P gyp[kTileRows][PACKS], hpk[kTileRows][PACKS];
+#pragma unroll
+    for (int r = 0; r < kTileRows; ++r)
+#pragma unroll
+      for (int u = 0; u < PACKS; ++u)
+        if (base + r < r1 && u < valid) {
+          gyp[r][u] = reinterpret_cast<const P*>(a.gy + (base + r) * a.gy_stride)[first + u * kTileThreads];
+          hpk[r][u] = reinterpret_cast<const P*>(a.h + (base + r) * a.h_stride)[first + u * kTileThreads];
+        }
+#pragma unroll
+    for (int r = 0; r < kTileRows; ++r) {
+      const int64_t row = base + r;
+      if (row < r1 && valid > 0) {
+        const float rstd = a.rstd[row], mean = a.mean ? a.mean[row] : 0.f;
+        const float mean_g = a.mean ? a.row_sums[2 * row] / n : 0.f, mean_gx = a.row_sums[2 * row + 1] / n;
+#pragma unroll
+        for (int u = 0; u < PACKS; ++u) {
+          if (u < valid) {
+            float dy[VEC], xh[VEC];
+            unpack(gyp[r][u], dy);
+            unpack(hpk[r][u], xh);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) xh[j] = (xh[j] - mean) * rstd;
+            store_dh<T, VEC>(a, row, first + u * kTileThreads, dy, xh, &w[u * VEC], rstd, mean_g, mean_gx,
+                             &dw[u * VEC], &db[u * VEC]);
+          }
+        }
+      }
+    }
+  }
+  const int64_t out = static_cast<int64_t>(blockIdx.y) * a.cols;
+#pragma unroll
+  for (int u = 0; u < PACKS; ++u) {
+    if (u < valid) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const int64_t col = static_cast<int64_t>(first + u * kTileThreads) * VEC + j;
+        if (a.part_w) a.part_w[out + col] = dw[u * VEC + j];
+        if (a.part_b) a.part_b[out + col] = db[u * VEC + j];
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kColumnSumCols * kColumnSumSlices)
+    column_sum_kernel(const float* partial, int64_t parts, int64_t cols, void* out, int out_type) {
+  column_sum(partial, parts, cols, out, out_type);
+}
+
+// ---------------------------------------------------------------------------------------
+// Host side.
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int round_up_to_warp(int64_t threads) { return static_cast<int>(ceil_div(threads, kWarpSize) * kWarpSize); }
+
+// Forward (a): GROUP lanes (4..32) and PACKS per lane for cols (<= kFwdMaxWarpCols).
+template <typename T, int VEC, int PACKS, int GROUP>
+cudaError_t launch_fwd_warp(const FwdArgs<T>& a, const DeviceLimits& lim, cudaStream_t stream) {
+  const int packs = a.cols / VEC;
+  if constexpr (GROUP < kWarpSize) {
+    if (packs > GROUP) return launch_fwd_warp<T, VEC, 1, GROUP * 2>(a, lim, stream);
+  } else if constexpr (PACKS * VEC < kFwdMaxElems) {
+    if (packs > PACKS * GROUP) return launch_fwd_warp<T, VEC, PACKS * 2, GROUP>(a, lim, stream);
+  }
+  constexpr int kRowsPerBlock = kFwdWarpThreads / GROUP;
+  const unsigned blocks = grid_size(ceil_div(a.rows, kRowsPerBlock), int64_t{lim.sm_count} * kMaxBlocksPerSm);
+  norm_fwd_regs_kernel<T, VEC, PACKS, GROUP><<<blocks, kFwdWarpThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+// Forward (b): ELEMS (8, 16, 32) values per thread; the smallest that keeps the block at
+// <= kFwdBlockThreads threads, else 32 (cols <= kFwdMaxRegisterCols: <= 512 threads).
+template <typename T, int VEC, int ELEMS>
+cudaError_t launch_fwd_block(const FwdArgs<T>& a, const DeviceLimits& lim, cudaStream_t stream) {
+  const int threads = round_up_to_warp(ceil_div(a.cols, ELEMS));  // threads * ELEMS >= cols
+  if constexpr (ELEMS < kFwdMaxElems) {
+    if (threads > kFwdBlockThreads) return launch_fwd_block<T, VEC, ELEMS * 2>(a, lim, stream);
+  }
+  const int per_sm = 2048 / threads;  // threads <= 512: >= 4
+  const unsigned blocks = grid_size(a.rows, int64_t{lim.sm_count} * per_sm);
+  norm_fwd_regs_kernel<T, VEC, ELEMS / VEC, 0><<<blocks, threads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+// Forward (c).
+template <typename T, int VEC>
+cudaError_t launch_fwd_long(const FwdArgs<T>& a, const DeviceLimits& lim, cudaStream_t stream) {
+  const size_t row_bytes = static_cast<size_t>(a.cols) * sizeof(T);
+  const size_t smem_limit = static_cast<size_t>(lim.smem_optin - kReservedSmemBytes);
+  if (row_bytes <= smem_limit) {
+    static std::atomic<uint64_t> configured{0};
+    const cudaError_t err = allow_smem(norm_fwd_long_kernel<T, VEC, true>, row_bytes, lim, configured);
+    if (err != cudaSuccess) return err;
+    const int64_t per_sm = row_bytes * 2 <= smem_limit ? 2 : 1;
+    norm_fwd_long_kernel<T, VEC, true>
+        <<<grid_size(a.rows, lim.sm_count * per_sm), kLongThreads, row_bytes, stream>>>(a);
+  } else {
+    norm_fwd_long_kernel<T, VEC, false><<<grid_size(a.rows, int64_t{lim.sm_count} * 2), kLongThreads, 0, stream>>>(a);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T, int VEC>
+cudaError_t launch_fwd_with_width(const FwdArgs<T>& a, const DeviceLimits& lim, cudaStream_t stream) {
+  if (a.cols <= kFwdMaxWarpCols) return launch_fwd_warp<T, VEC, 1, 4>(a, lim, stream);
+  if (a.cols <= kFwdMaxRegisterCols) return launch_fwd_block<T, VEC, (8 > VEC ? 8 : VEC)>(a, lim, stream);
+  return launch_fwd_long<T, VEC>(a, lim, stream);
+}
+
+bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kVectorBytes == 0; }
+
+template <typename T>
+cudaError_t launch_forward(const NormForwardArgs& args, cudaStream_t stream) {
+  constexpr int kVec = kVectorBytes / sizeof(T);
+  FwdArgs<T> a{};
+  a.x = static_cast<const T*>(args.x);
+  a.res = static_cast<const T*>(args.residual);
+  a.x_stride = args.x_row_stride;
+  a.res_stride = args.residual_row_stride;
+  a.w = args.weight;
+  a.b = args.bias;
+  a.w_type = static_cast<int>(args.weight_dtype);
+  a.b_type = static_cast<int>(args.bias_dtype);
+  a.y = static_cast<T*>(args.y);
+  a.res_out = static_cast<T*>(args.residual_out);
+  a.mean = args.rms ? nullptr : args.mean;
+  a.rstd = args.rstd;
+  a.rows = args.rows;
+  a.cols = static_cast<int>(args.cols);
+  a.eps = args.eps;
+  a.offset = args.offset;
+  a.rms = args.rms;
+  // Packs never straddle a row end or a misaligned address: every base 16-byte aligned,
+  // and cols and each row stride whole packs, so row * stride + p * kVec stays aligned.
+  // The weight / bias loads at p * kVec elements are then aligned too (row_common load_floats).
+  const bool vectorizable = args.cols % kVec == 0 && aligned(a.x) && a.x_stride % kVec == 0 && aligned(a.y) &&
+                            (!a.res || (aligned(a.res) && a.res_stride % kVec == 0 && aligned(a.res_out))) &&
+                            (!a.w || aligned(a.w)) && (!a.b || aligned(a.b));
+  DeviceLimits lim;
+  const cudaError_t err = current_device_limits(&lim);
+  if (err != cudaSuccess) return err;
+  return vectorizable ? launch_fwd_with_width<T, kVec>(a, lim, stream) : launch_fwd_with_width<T, 1>(a, lim, stream);
+}
+
+bool valid_dtype(DType d) { return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16; }
+
+// ---- backward plan: path, grid, partial rows. A function of (rows, cols, SM count) only,
+// so norm_backward_workspace_bytes and norm_backward agree whatever the alignment.
+enum class BwdPath { kWarp, kBlock, kTile };
+
+struct BwdPlan {
+  BwdPath path;
+  int threads;  // kBlock: block size
+  int elems;    // kBlock: values per thread (8 or 16)
+  int64_t chunks;  // kTile: 2048-column chunks (grid.x)
+  int64_t parts, rows_per_part;  // blocks of rows (grid.x, or grid.y for kTile), each a partial row
+};
+
+BwdPlan plan_backward(int64_t rows, int64_t cols, int sm_count) {
+  BwdPlan p{};
+  int64_t wanted;  // blocks of rows
+  if (cols <= kBwdMaxWarpCols) {
+    p.path = BwdPath::kWarp;
+    p.threads = kBwdWarpThreads;
+    wanted = ceil_div(rows, 8);  // a block handles up to 64 rows at a time; >= 8 rows each
+    const int64_t cap = int64_t{sm_count} * (kThreadsPerSm / kBwdWarpThreads);
+    wanted = wanted < cap ? wanted : cap;
+  } else if (cols <= kBwdMaxRegisterCols) {
+    p.path = BwdPath::kBlock;
+    p.elems = round_up_to_warp(ceil_div(cols, 8)) <= kBwdBlockThreads ? 8 : kBwdMaxElems;
+    p.threads = round_up_to_warp(ceil_div(cols, p.elems));  // <= 512 as cols <= 8192
+    const int64_t cap = int64_t{sm_count} * (kThreadsPerSm / p.threads > 1 ? kThreadsPerSm / p.threads : 1);
+    wanted = rows < cap ? rows : cap;
+  } else {
+    p.path = BwdPath::kTile;
+    p.chunks = ceil_div(cols, kTileCols);
+    wanted = ceil_div(int64_t{sm_count} * kTileBlocksPerSm, p.chunks);
+    wanted = wanted < rows ? wanted : rows;
+  }
+  if (wanted < 1) wanted = 1;
+  p.rows_per_part = ceil_div(rows, wanted);
+  p.parts = ceil_div(rows, p.rows_per_part);  // every part non-empty; parts <= wanted
+  return p;
+}
+
+size_t align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
+
+struct BwdWorkspace {
+  size_t part_w, part_b, row_sums, total;  // byte offsets of each region, total size
+};
+
+BwdWorkspace workspace_layout(const BwdPlan& p, int64_t rows, int64_t cols, bool grad_w, bool grad_b) {
+  const size_t part = align16(static_cast<size_t>(p.parts) * static_cast<size_t>(cols) * sizeof(float));
+  BwdWorkspace ws{};
+  ws.part_w = 0;
+  ws.part_b = grad_w ? part : 0;
+  ws.row_sums = ws.part_b + (grad_b ? part : 0);
+  // kBlock too: unaligned rows of 16 values a thread run the tile kernels (see launch_bwd_with_width).
+  ws.total = ws.row_sums + (p.path != BwdPath::kWarp ? align16(static_cast<size_t>(rows) * 2 * sizeof(float)) : 0);
+  return ws;
+}
+
+template <typename T, int VEC, int PACKS, int GROUP>
+cudaError_t launch_bwd_warp(const BwdArgs<T>& a, int64_t parts, cudaStream_t stream) {
+  const int packs = a.cols / VEC;
+  if constexpr (GROUP < kWarpSize) {
+    if (packs > GROUP) return launch_bwd_warp<T, VEC, 1, GROUP * 2>(a, parts, stream);
+  } else if constexpr (PACKS * VEC < kBwdMaxElems) {
+    if (packs > PACKS * GROUP) return launch_bwd_warp<T, VEC, PACKS * 2, GROUP>(a, parts, stream);
+  }
+  norm_bwd_regs_kernel<T, VEC, PACKS, GROUP><<<static_cast<unsigned>(parts), kBwdWarpThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+// Path (c) with `parts` row ranges: any parts works, the partial buffer has that many rows.
+template <typename T, int VEC>
+cudaError_t launch_bwd_tiles(const BwdArgs<T>& a, int64_t parts, const DeviceLimits& lim, cudaStream_t stream) {
+  norm_bwd_row_sums_kernel<T, VEC>
+      <<<grid_size(a.rows, int64_t{lim.sm_count} * (kThreadsPerSm / kLongThreads)), kLongThreads, 0, stream>>>(a);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  const dim3 grid(static_cast<unsigned>(ceil_div(a.cols, kTileCols)), static_cast<unsigned>(parts));
+  norm_bwd_tile_kernel<T, VEC><<<grid, kTileThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename T, int VEC>
+cudaError_t launch_bwd_with_width(const BwdArgs<T>& a, const BwdPlan& plan, const DeviceLimits& lim,
+                                  cudaStream_t stream) {
+  constexpr int kMinElems = 8 > VEC ? 8 : VEC;
+  switch (plan.path) {
+    case BwdPath::kWarp: return launch_bwd_warp<T, VEC, 1, 4>(a, plan.parts, stream);
+    case BwdPath::kBlock:
+      if (plan.elems == kMinElems) {
+        norm_bwd_regs_kernel<T, VEC, kMinElems / VEC, 0>
+            <<<static_cast<unsigned>(plan.parts), plan.threads, 0, stream>>>(a);
+      } else if constexpr (VEC > 1) {
+        norm_bwd_regs_kernel<T, VEC, kBwdMaxElems / VEC, 0>
+            <<<static_cast<unsigned>(plan.parts), plan.threads, 0, stream>>>(a);
+      } else {
+        // 16 scalar values a thread at 512 threads spill (per-element addresses): the
+        // unaligned case takes the tile kernels, same partial rows, one more read of dy, h.
+        return launch_bwd_tiles<T, VEC>(a, plan.parts, lim, stream);
+      }
+      return cudaGetLastError();
+    case BwdPath::kTile: return launch_bwd_tiles<T, VEC>(a, plan.parts, lim, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+template <typename T>
+cudaError_t launch_backward(const NormBackwardArgs& args, cudaStream_t stream) {
+  constexpr int kVec = kVectorBytes / sizeof(T);
+  DeviceLimits lim;
+  cudaError_t err = current_device_limits(&lim);
+  if (err != cudaSuccess) return err;
+  const BwdPlan plan = plan_backward(args.rows, args.cols, lim.sm_count);
+  const bool grad_w = args.grad_weight != nullptr, grad_b = args.grad_bias != nullptr;
+  const BwdWorkspace ws = workspace_layout(plan, args.rows, args.cols, grad_w, grad_b);
+  if (ws.total > 0 && (args.workspace == nullptr || args.workspace_bytes < ws.total || !aligned(args.workspace)))
+    return cudaErrorInvalidValue;
+  unsigned char* const base = static_cast<unsigned char*>(args.workspace);
+  BwdArgs<T> a{};
+  a.gy = static_cast<const T*>(args.grad_y);
+  a.gres = static_cast<const T*>(args.grad_residual);
+  a.h = static_cast<const T*>(args.h);
+  a.gy_stride = args.grad_y_row_stride;
+  a.gres_stride = args.grad_residual_row_stride;
+  a.h_stride = args.h_row_stride;
+  a.w = args.weight;
+  a.w_type = static_cast<int>(args.weight_dtype);
+  a.mean = args.rms ? nullptr : args.mean;
+  a.rstd = args.rstd;
+  a.gh = static_cast<T*>(args.grad_h);
+  a.part_w = grad_w ? reinterpret_cast<float*>(base + ws.part_w) : nullptr;
+  a.part_b = grad_b ? reinterpret_cast<float*>(base + ws.part_b) : nullptr;
+  a.row_sums = plan.path != BwdPath::kWarp ? reinterpret_cast<float*>(base + ws.row_sums) : nullptr;
+  a.rows = args.rows;
+  a.rows_per_part = plan.rows_per_part;
+  a.cols = static_cast<int>(args.cols);
+  a.offset = args.offset;
+  // As in the forward; the partials are written one float at a time (no alignment needed).
+  const bool vectorizable = args.cols % kVec == 0 && aligned(a.gy) && a.gy_stride % kVec == 0 && aligned(a.h) &&
+                            a.h_stride % kVec == 0 && aligned(a.gh) &&
+                            (!a.gres || (aligned(a.gres) && a.gres_stride % kVec == 0)) && (!a.w || aligned(a.w));
+  err = vectorizable ? launch_bwd_with_width<T, kVec>(a, plan, lim, stream)
+                     : launch_bwd_with_width<T, 1>(a, plan, lim, stream);
+  if (err != cudaSuccess) return err;
+  const unsigned sum_blocks = static_cast<unsigned>(ceil_div(args.cols, kColumnSumCols));
+  const dim3 sum_threads(kColumnSumCols, kColumnSumSlices);
+  if (grad_w) {
+    column_sum_kernel<<<sum_blocks, sum_threads, 0, stream>>>(a.part_w, plan.parts, args.cols, args.grad_weight,
+                                                             static_cast<int>(args.grad_weight_dtype));
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  if (grad_b) {
+    column_sum_kernel<<<sum_blocks, sum_threads, 0, stream>>>(a.part_b, plan.parts, args.cols, args.grad_bias,
+                                                             static_cast<int>(args.grad_bias_dtype));
+    err = cudaGetLastError();
+  }
+  return err;
+}
+
+}  // namespace
+
+cudaError_t norm_forward(const NormForwardArgs& args, cudaStream_t stream) {
+  if (args.rows < 0 || args.cols < 0 || args.cols > kMaxCols || args.x_row_stride < 0 ||
+      args.residual_row_stride < 0 || !valid_dtype(args.dtype) || !valid_dtype(args.weight_dtype) ||
+      !valid_dtype(args.bias_dtype))
+    return cudaErrorInvalidValue;
+  if (args.rows == 0 || args.cols == 0) return cudaSuccess;
+  if (!args.x || !args.y || !args.rstd || (args.residual && !args.residual_out)) return cudaErrorInvalidValue;
+  switch (args.dtype) {
+    case DType::kFloat32: return launch_forward<float>(args, stream);
+    case DType::kFloat16: return launch_forward<__half>(args, stream);
+    case DType::kBFloat16: return launch_forward<__nv_bfloat16>(args, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+size_t norm_backward_workspace_bytes(int64_t rows, int64_t cols, bool grad_weight, bool grad_bias) {
+  if (rows <= 0 || cols <= 0 || cols > kMaxCols) return 0;
+  DeviceLimits lim;
+  if (current_device_limits(&lim) != cudaSuccess) return 0;  // norm_backward reports the error
+  return workspace_layout(plan_backward(rows, cols, lim.sm_count), rows, cols, grad_weight, grad_bias).total;
+}
+
+cudaError_t norm_backward(const NormBackwardArgs& args, cudaStream_t stream) {
+  if (args.rows < 0 || args.cols < 0 || args.cols > kMaxCols || args.grad_y_row_stride < 0 ||
+      args.grad_residual_row_stride < 0 || args.h_row_stride < 0 || !valid_dtype(args.dtype) ||
+      !valid_dtype(args.weight_dtype) || !valid_dtype(args.grad_weight_dtype) || !valid_dtype(args.grad_bias_dtype))
+    return cudaErrorInvalidValue;
+  if (args.rows == 0 || args.cols == 0) return cudaSuccess;  // the caller zero-fills gradients of 0 rows
+  if (!args.grad_y || !args.h || !args.rstd || !args.grad_h || (!args.rms && !args.mean))
+    return cudaErrorInvalidValue;
+  switch (args.dtype) {
+    case DType::kFloat32: return launch_backward<float>(args, stream);
+    case DType::kFloat16: return launch_backward<__half>(args, stream);
+    case DType::kBFloat16: return launch_backward<__nv_bfloat16>(args, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace cuda_norms
+}  // namespace kernelforge
