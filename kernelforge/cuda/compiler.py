@@ -41,6 +41,8 @@ class Extension:
 # Every extension the package ships; `kernelforge build` prebuilds all of them.
 EXTENSIONS: dict[str, Extension] = {
     "softmax": Extension("softmax", ("softmax_cuda.cu", "softmax_binding.cpp")),
+    "norms": Extension("norms", ("norms_cuda.cu", "norms_binding.cpp")),
+    "activations": Extension("activations", ("activations_cuda.cu", "activations_binding.cpp")),
 }
 
 
