@@ -9,10 +9,11 @@
 """
 from kernelforge import nn, ops  # noqa: F401  (ops registers the torch.library operators)
 from kernelforge.backends import BackendUnsupportedError, explain, use_backend
+from kernelforge.ops.activations import bias_gelu, bias_silu, geglu, gelu, relu, silu, swiglu
 from kernelforge.ops.norms import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from kernelforge.ops.softmax import log_softmax, softmax
 
 __version__ = "0.1.0"
 
-__all__ = ["BackendUnsupportedError", "add_layer_norm", "add_rms_norm", "explain", "layer_norm", "log_softmax",
-           "nn", "rms_norm", "softmax", "use_backend"]
+__all__ = ["BackendUnsupportedError", "add_layer_norm", "add_rms_norm", "bias_gelu", "bias_silu", "explain", "geglu",
+           "gelu", "layer_norm", "log_softmax", "nn", "relu", "rms_norm", "silu", "softmax", "swiglu", "use_backend"]

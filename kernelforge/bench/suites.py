@@ -104,6 +104,33 @@ def _norm_kernel_only(rms: bool) -> Callable[[], dict[str, Fn]]:
     return impls
 
 
+def _elementwise_cost(reads: int, writes: int, grad_reads: int, grad_writes: int):
+    """Elementwise ops: tensors of the input's size read and written forward, and by the
+    backward (which reads dy and recomputes from the inputs instead of saving anything)."""
+    def cost(shape: Shape, dtype: torch.dtype, direction: str) -> Cost:
+        tensors = reads + writes + (0 if direction == "fwd" else grad_reads + grad_writes)
+        return Cost(tensors * torch.Size(shape).numel() * dtype.itemsize)
+
+    return cost
+
+
+def _activation_baselines(eager: Fn, liger: Optional[Callable[[], Fn]] = None) -> Callable[[], dict[str, Fn]]:
+    def impls() -> dict[str, Fn]:
+        found = {"torch eager": eager, "torch.compile": torch.compile(eager, dynamic=False)}
+        if liger is not None and importlib.util.find_spec("liger_kernel") is not None:
+            found["liger"] = liger()
+        return found
+
+    return impls
+
+
+def _liger_swiglu() -> Fn:
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+    return LigerSiLUMulFunction.apply
+
+
+ACTIVATION_SHAPES = [(16384, 4096), (8192, 16384), (4096, 65536), (1, 4096), (8, 4096), (32, 4096)]
 NORM_SHAPES = [(16384, 4096), (8192, 16384), (4096, 65536), (1, 4096), (8, 4096), (32, 4096)]
 
 SUITES: dict[str, Suite] = {
@@ -143,6 +170,40 @@ SUITES: dict[str, Suite] = {
         baselines=_rms_norm_baselines,
         peers={"liger": "liger_kernel"},
         kernel_only=_norm_kernel_only(rms=True),
+    ),
+    "gelu": Suite(
+        op="gelu",
+        registry_op="activation",
+        shapes=ACTIVATION_SHAPES,
+        quick_shapes=[(256, 4096), (8, 4096)],
+        make_inputs=lambda shape, dtype, device: (torch.randn(shape, device=device, dtype=dtype),),
+        cost=_elementwise_cost(reads=1, writes=1, grad_reads=2, grad_writes=1),
+        kernelforge=lambda x: kf.gelu(x),
+        baselines=_activation_baselines(lambda x: torch.nn.functional.gelu(x)),
+    ),
+    "bias_gelu": Suite(
+        op="bias_gelu",
+        registry_op="activation",
+        shapes=ACTIVATION_SHAPES,
+        quick_shapes=[(256, 4096), (8, 4096)],
+        make_inputs=lambda shape, dtype, device: (torch.randn(shape, device=device, dtype=dtype),
+                                                  torch.randn(shape[-1], device=device, dtype=dtype)),
+        cost=_elementwise_cost(reads=1, writes=1, grad_reads=2, grad_writes=1),
+        kernelforge=lambda x, b: kf.bias_gelu(x, b, approximate="tanh"),
+        baselines=_activation_baselines(lambda x, b: torch.nn.functional.gelu(x + b, approximate="tanh")),
+    ),
+    "swiglu": Suite(
+        op="swiglu",
+        registry_op="gated_activation",
+        shapes=ACTIVATION_SHAPES,
+        quick_shapes=[(256, 4096), (8, 4096)],
+        make_inputs=lambda shape, dtype, device: (torch.randn(shape, device=device, dtype=dtype),
+                                                  torch.randn(shape, device=device, dtype=dtype)),
+        # forward reads gate and up, writes y; backward reads dy, gate, up, writes both grads
+        cost=_elementwise_cost(reads=2, writes=1, grad_reads=3, grad_writes=2),
+        kernelforge=lambda gate, up: kf.swiglu(gate, up),
+        baselines=_activation_baselines(lambda gate, up: torch.nn.functional.silu(gate) * up, _liger_swiglu),
+        peers={"liger": "liger_kernel"},
     ),
 }
 

@@ -1,5 +1,6 @@
 """nn.Module wrappers around kernelforge ops, drop-in for their torch.nn counterparts."""
+from kernelforge.nn.activations import GELU, SiLU, SwiGLU
 from kernelforge.nn.norms import LayerNorm, RMSNorm, TritonLayerNorm
 from kernelforge.nn.softmax import LogSoftmax, Softmax
 
-__all__ = ["LayerNorm", "LogSoftmax", "RMSNorm", "Softmax", "TritonLayerNorm"]
+__all__ = ["GELU", "LayerNorm", "LogSoftmax", "RMSNorm", "SiLU", "Softmax", "SwiGLU", "TritonLayerNorm"]
