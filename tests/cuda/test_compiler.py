@@ -2,6 +2,7 @@
 on a GPU the extensions build, cache by source hash, and load in a second process
 without compiling."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,14 +30,19 @@ def test_every_extension_source_exists():
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on the PATH")
 @pytest.mark.parametrize("source", KERNEL_FILES)
 def test_cu_file_compiles_for_sm90(source, tmp_path):
-    # Kernel files are plain CUDA (no torch headers), so they compile on any machine with nvcc.
+    # Kernel files are plain CUDA (no torch headers), so they compile on any machine with nvcc;
+    # ptxas -v reports every kernel's stack frame and spills, which must be 0.
     result = subprocess.run(
-        [NVCC, "-O3", "-std=c++17", "-arch=sm_90", "-Werror", "all-warnings", "-c", str(CSRC / source),
-         "-o", str(tmp_path / "k.o")],
-        capture_output=True, text=True, timeout=600,
+        [NVCC, "-O3", "-std=c++17", "-arch=sm_90", "-Werror", "all-warnings", "-Xptxas", "-v", "-c",
+         str(CSRC / source), "-o", str(tmp_path / "k.o")],
+        capture_output=True, text=True, timeout=900,
     )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "k.o").stat().st_size > 0
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", result.stderr)
+    assert frames, "ptxas -v reported no functions"
+    spilling = [f for f in frames if f[1] != "0" or f[2] != "0"]
+    assert not spilling, f"{len(spilling)} of {len(frames)} kernels spill: {spilling}"
 
 
 def test_cache_key_follows_sources_flags_and_archs(tmp_path):
