@@ -486,11 +486,6 @@ def _gelu_kind(name: str, approximate: str) -> str:
 # shapes. The autograd.Functions below run the same implementations and reuse the
 # registered ops' gradient functions (which read only ctx.saved_tensors, ctx.kind and
 # ctx.needs_input_grad), so a double backward goes through the registered backward ops.
-def _plain_eager(x: torch.Tensor, *others: Optional[torch.Tensor]) -> bool:
-    # nn.Parameter (a bias, a weight) is a subclass that adds no torch_function behavior
-    return plain_eager_call(x) and all(t is None or type(t) in (torch.Tensor, torch.nn.Parameter) for t in others)
-
-
 def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -538,7 +533,7 @@ class _EagerGatedPacked(torch.autograd.Function):
 
 
 def _call_activation(x: torch.Tensor, bias: Optional[torch.Tensor], kind: str) -> torch.Tensor:
-    if not _plain_eager(x, bias):
+    if not plain_eager_call(x, bias):
         return torch.ops.kernelforge.activation(x, bias, kind)
     if _needs_grad(x, bias):
         return _EagerActivation.apply(x, bias, kind)
@@ -547,10 +542,10 @@ def _call_activation(x: torch.Tensor, bias: Optional[torch.Tensor], kind: str) -
 
 def _call_gated(gate: torch.Tensor, up: Optional[torch.Tensor], kind: str) -> torch.Tensor:
     if up is None:
-        if not _plain_eager(gate):
+        if not plain_eager_call(gate):
             return torch.ops.kernelforge.gated_activation_packed(gate, kind)
         return _EagerGatedPacked.apply(gate, kind) if _needs_grad(gate) else _gated_packed(gate, kind)
-    if not _plain_eager(gate, up):
+    if not plain_eager_call(gate, up):
         return torch.ops.kernelforge.gated_activation(gate, up, kind)
     return _EagerGated.apply(gate, up, kind) if _needs_grad(gate, up) else _gated(gate, up, kind)
 

@@ -134,6 +134,8 @@ def _check_forward(v: _Variant, x, residual, normalized_shape, weight, bias, eps
     if not eps >= 0:
         raise ValueError(f"kernelforge.{v.name}: eps must be >= 0, got {eps}")
     if v.residual:
+        if not isinstance(residual, torch.Tensor):
+            raise TypeError(f"kernelforge.{v.name}: residual must be a tensor, got {type(residual).__name__}")
         check_floating(v.name, "residual", residual, FLOAT_DTYPES)
         check_same(v.name, "device", ("x", "residual"), (x.device, residual.device))
         check_same(v.name, "dtype", ("x", "residual"), (x.dtype, residual.dtype))
@@ -155,7 +157,11 @@ def _check_backward(op: str, grad_y, grad_residual, h, normalized_shape, weight,
         0 < k <= h.dim() and tuple(h.shape[h.dim() - k:]) == tuple(normalized_shape),
         lambda: f"kernelforge.{op}: normalized_shape={tuple(normalized_shape)} must match the trailing "
         f"dims of h, got h of shape {tuple(h.shape)}")
+    stats_dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
     for name, s in stats.items():
+        check_same(op, "device", ("h", name), (h.device, s.device))
+        torch._check(s.dtype == stats_dtype,
+                     lambda: f"kernelforge.{op}: {name} must have dtype {stats_dtype} for h of {h.dtype}, got {s.dtype}")
         torch._check(
             tuple(s.shape) == tuple(h.shape[: h.dim() - k]),
             lambda: f"kernelforge.{op}: {name} must have shape {tuple(h.shape[: h.dim() - k])} "
@@ -166,11 +172,14 @@ def _check_backward(op: str, grad_y, grad_residual, h, normalized_shape, weight,
 
 
 # ----------------------------------------------------------------------------- implementation
-def _rows(t: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
-    """t as (rows, n) with unit column stride: a view when the layout allows, else a copy."""
+def _rows(t: Optional[torch.Tensor], normalized_ndim: int) -> Optional[torch.Tensor]:
+    """t as (rows, n), n the product of its last `normalized_ndim` dims, with unit column
+    stride: a view when the layout allows, else a copy. (Not reshape(-1, n): n may be 0.)"""
     if t is None:
         return None
-    t2d = t.reshape(-1, n)
+    lead = t.dim() - normalized_ndim
+    n = math.prod(t.shape[lead:])
+    t2d = t.reshape(math.prod(t.shape[:lead]), n)
     return t2d if t2d.stride(1) == 1 or n <= 1 else t2d.contiguous()
 
 
@@ -186,9 +195,10 @@ def _launchers(x: torch.Tensor, weight, bias):
 
 def _forward(v: _Variant, x, residual, normalized_shape, weight, bias, eps: float, offset: float) -> tuple:
     """What the registered forward op computes, as its output tuple."""
-    n = _check_forward(v, x, residual, normalized_shape, weight, bias, eps)
+    _check_forward(v, x, residual, normalized_shape, weight, bias, eps)
+    k = len(normalized_shape)
     y, residual_out, mean, rstd = _launchers(x, weight, bias).norm_forward_rows(
-        _rows(x, n), _rows(residual, n), _flat(weight), _flat(bias), eps, v.rms, offset)
+        _rows(x, k), _rows(residual, k), _flat(weight), _flat(bias), eps, v.rms, offset)
     stats_shape = x.shape[: x.dim() - len(normalized_shape)]
     return v.outputs(
         y.view(x.shape), None if residual_out is None else residual_out.view(x.shape),
@@ -199,9 +209,10 @@ def _backward(op: str, grad_y, grad_residual, h, normalized_shape, weight, bias,
               offset: float, weight_grads: bool) -> list:
     """What the registered backward ops compute."""
     stats = {"rstd": rstd} if mean is None else {"mean": mean, "rstd": rstd}
-    n = _check_backward(op, grad_y, grad_residual, h, normalized_shape, weight, bias, stats)
+    _check_backward(op, grad_y, grad_residual, h, normalized_shape, weight, bias, stats)
+    k = len(normalized_shape)
     dh, dw, db = _launchers(h, weight, bias).norm_backward_rows(
-        _rows(grad_y, n), _rows(grad_residual, n), _rows(h, n), _flat(weight), bias is not None,
+        _rows(grad_y, k), _rows(grad_residual, k), _rows(h, k), _flat(weight), bias is not None,
         _flat(mean), _flat(rstd), mean is None, offset, weight_grads)
     grads = [dh.view(h.shape)]
     if dw is not None:
@@ -227,6 +238,7 @@ def _double_backward(ctx, grad_grads):
     from kernelforge.reference.norms import differentiable_backward
 
     grad_y, grad_residual, h, weight, bias = ctx.saved_tensors
+    create_graph = torch.is_grad_enabled()  # read before enable_grad below
     with torch.enable_grad():
         inputs = [t.detach().requires_grad_() if t is not None else None
                   for t in (grad_y, grad_residual, h, weight)]
@@ -236,7 +248,7 @@ def _double_backward(ctx, grad_grads):
         pairs = [(o, g) for o, g in zip(outputs, grad_grads) if g is not None]
         wrt = [t for t in inputs if t is not None]
         found = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
-                                    allow_unused=True, create_graph=torch.is_grad_enabled())
+                                    allow_unused=True, create_graph=create_graph)
     found = iter(found)
     d_grad_y, d_grad_residual, d_h, d_weight = (next(found) if t is not None else None for t in inputs)
     stats = (None,) if ctx.rms else (None, None)
@@ -390,7 +402,7 @@ def _call(v: _Variant, x, residual, weight, bias, eps, offset, normalized_shape)
     if eps is None:  # torch.nn.RMSNorm's default
         eps = torch.finfo(x.dtype).eps
     eps, offset = float(eps), float(offset)
-    if plain_eager_call(x):
+    if plain_eager_call(x, residual, weight, bias):
         needs_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (x, residual, weight, bias))
         if needs_grad:
