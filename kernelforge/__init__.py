@@ -9,7 +9,8 @@
 """
 from kernelforge import nn, ops  # noqa: F401  (ops registers the torch.library operators)
 from kernelforge.backends import BackendUnsupportedError, explain, use_backend
-from kernelforge.ops.activations import bias_gelu, bias_silu, geglu, gelu, relu, silu, swiglu
+from kernelforge.ops.activations import bias_gelu, bias_silu, gelu, relu, silu
+from kernelforge.ops.gated_activations import geglu, swiglu
 from kernelforge.ops.norms import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from kernelforge.ops.softmax import log_softmax, softmax
 

@@ -6,7 +6,8 @@ from typing import Optional
 
 import torch
 
-from kernelforge.ops.activations import gelu, silu, swiglu
+from kernelforge.ops.activations import gelu, silu
+from kernelforge.ops.gated_activations import swiglu
 
 
 class GELU(torch.nn.Module):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import kernelforge as kf
 from kernelforge.nn.activations import GELU, SiLU, SwiGLU
 from kernelforge.ops import activations as ops
+from kernelforge.ops import gated_activations as gated
 from kernelforge.reference import activations as reference
 from tests.conftest import HAS_CUDA, backend_cases
 from tests.numerics import assert_matches_oracle
@@ -80,9 +81,9 @@ def kf_activation(kind, x, bias=None):
 
 def kf_gated(kind, gate, up=None):
     if kind == "silu":
-        return ops.swiglu(gate, up)
+        return gated.swiglu(gate, up)
     if kind in ("gelu", "gelu_tanh"):
-        return ops.geglu(gate, up, "tanh" if kind == "gelu_tanh" else "none")
+        return gated.geglu(gate, up, "tanh" if kind == "gelu_tanh" else "none")
     return torch.ops.kernelforge.gated_activation(gate, up, kind) if up is not None else \
         torch.ops.kernelforge.gated_activation_packed(gate, kind)
 
@@ -230,10 +231,10 @@ def test_strided_gated_inputs(backend, device):
     with kf.use_backend(backend):
         for label, x in strided_views(device).items():
             up = torch.randn(x.shape, device=device)
-            compare_with_oracle(f"swiglu {label}", ops.swiglu, lambda a, b: F.silu(a) * b, [x, up])
-            compare_with_oracle(f"swiglu {label} (up strided)", ops.swiglu, lambda a, b: F.silu(a) * b, [up, x])
+            compare_with_oracle(f"swiglu {label}", gated.swiglu, lambda a, b: F.silu(a) * b, [x, up])
+            compare_with_oracle(f"swiglu {label} (up strided)", gated.swiglu, lambda a, b: F.silu(a) * b, [up, x])
             if x.shape[-1] % 2 == 0:
-                compare_with_oracle(f"packed swiglu {label}", ops.swiglu, lambda p: torch_gated("silu", p), [x])
+                compare_with_oracle(f"packed swiglu {label}", gated.swiglu, lambda p: torch_gated("silu", p), [x])
 
 
 LAYOUTS = {"transposed": lambda device: torch.randn(9, 5, device=device).t(),
@@ -255,7 +256,7 @@ def test_gated_output_keeps_gate_layout(backend, device):
     with kf.use_backend(backend):
         for make in LAYOUTS.values():
             x = make(device)
-            assert ops.swiglu(x, torch.randn_like(x)).stride() == x.stride()
+            assert gated.swiglu(x, torch.randn_like(x)).stride() == x.stride()
 
 
 @pytest.mark.parametrize("name", ["activation", "gated_activation", "gated_activation_packed"])
@@ -295,7 +296,7 @@ def test_empty_gated(backend, device, shape):
     with kf.use_backend(backend):
         gate = torch.randn(shape, device=device, requires_grad=True)
         up = torch.randn(shape, device=device, requires_grad=True)
-        separate, packed = ops.swiglu(gate, up), ops.swiglu(gate)
+        separate, packed = gated.swiglu(gate, up), gated.swiglu(gate)
         (separate.sum() + packed.sum()).backward()
     assert separate.shape == gate.shape
     assert packed.shape == (*shape[:-1], shape[-1] // 2)
@@ -345,8 +346,8 @@ def _float64_cases():
         yield f"packed {kind}", (lambda p, k=kind: torch.ops.kernelforge.gated_activation_packed(p, k)), (x(2, 3, 6),)
     # the public functions, through the eager fast path (its create_graph backward)
     yield "public bias_gelu", ops.bias_gelu, (x(3, 5), x(5))
-    yield "public geglu", ops.geglu, (x(3, 4), x(3, 4))
-    yield "public swiglu packed", ops.swiglu, (x(3, 8),)
+    yield "public geglu", gated.geglu, (x(3, 4), x(3, 4))
+    yield "public swiglu packed", gated.swiglu, (x(3, 8),)
 
 
 @pytest.mark.parametrize("what,fn,inputs", list(_float64_cases()), ids=[c[0] for c in _float64_cases()])
@@ -430,7 +431,7 @@ def test_torch_compile_fullgraph(device):
     def block(x, w, b):
         h = x @ w
         a = ops.bias_gelu(h, b, "tanh") + ops.silu(h)
-        return (ops.swiglu(a) + ops.geglu(a[:, :8], a[:, 8:])).sum()
+        return (gated.swiglu(a) + gated.geglu(a[:, :8], a[:, 8:])).sum()
 
     compiled = torch.compile(block, fullgraph=True, dynamic=False)
     x = torch.randn(8, 16, device=device, requires_grad=True)
@@ -476,7 +477,7 @@ def test_forced_backend_that_cannot_run_raises():
     with kf.use_backend("triton"), pytest.raises(kf.BackendUnsupportedError, match="got x of torch.float64"):
         ops.gelu(x)
     with kf.use_backend("cuda"), pytest.raises(kf.BackendUnsupportedError, match="no cuda implementation"):
-        ops.swiglu(x)
+        gated.swiglu(x)
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -503,15 +504,15 @@ def test_bad_activation_inputs_are_rejected():
 def test_bad_gated_inputs_are_rejected():
     gate = torch.randn(3, 4)
     with pytest.raises(RuntimeError, match=r"kernelforge\.swiglu: expected gate, up to have the same shape, got gate: \(3, 4\), up: \(4, 3\)"):
-        ops.swiglu(gate, torch.randn(4, 3))
+        gated.swiglu(gate, torch.randn(4, 3))
     with pytest.raises(RuntimeError, match=r"kernelforge\.geglu: expected gate, up to have the same dtype, got gate: torch.float32, up: torch.float16"):
-        ops.geglu(gate, gate.half())
+        gated.geglu(gate, gate.half())
     with pytest.raises(RuntimeError, match=r"kernelforge\.swiglu: .*last dim, which must be even, got shape \(3, 5\)"):
-        ops.swiglu(torch.randn(3, 5))
+        gated.swiglu(torch.randn(3, 5))
     with pytest.raises(ValueError, match=r"kernelforge\.swiglu: gate must have at least 1 dim .* 0-dim"):
-        ops.swiglu(torch.tensor(2.0))
+        gated.swiglu(torch.tensor(2.0))
     with pytest.raises(TypeError, match=r"kernelforge\.swiglu: gate must have dtype in .* got torch\.int64"):
-        ops.swiglu(torch.ones(2, 4, dtype=torch.long))
+        gated.swiglu(torch.ones(2, 4, dtype=torch.long))
 
 
 def test_bad_backward_inputs_are_rejected():
@@ -582,9 +583,9 @@ FAST_PATH_CASES = {
                   lambda: (torch.randn(6, 5, 7).transpose(0, 1), torch.randn(7))),
     "silu": (ops.silu, lambda a: torch.ops.kernelforge.activation(a, None, "silu"),
              lambda: (torch.randn(6, 5, 7).transpose(0, 2),)),
-    "swiglu": (ops.swiglu, lambda a, b: torch.ops.kernelforge.gated_activation(a, b, "silu"),
+    "swiglu": (gated.swiglu, lambda a, b: torch.ops.kernelforge.gated_activation(a, b, "silu"),
                lambda: (torch.randn(6, 5).t(), torch.randn(5, 6))),
-    "swiglu packed": (ops.swiglu, lambda a: torch.ops.kernelforge.gated_activation_packed(a, "silu"),
+    "swiglu packed": (gated.swiglu, lambda a: torch.ops.kernelforge.gated_activation_packed(a, "silu"),
                       lambda: (torch.randn(4, 3, 10)[:, :, :8],)),
 }
 
