@@ -42,11 +42,6 @@ def shape_label(shape: Shape) -> str:
     return "x".join(str(s) for s in shape)
 
 
-def _softmax_baselines() -> dict[str, Fn]:
-    eager = lambda x: torch.softmax(x, -1)  # noqa: E731
-    return {"torch eager": eager, "torch.compile": torch.compile(eager, dynamic=False)}
-
-
 def _softmax_kernel_only() -> dict[str, Fn]:
     from kernelforge.cuda import why_unavailable
     from kernelforge.triton.softmax import softmax_forward_rows as triton_rows
@@ -72,26 +67,6 @@ def _norm_cost(shape: Shape, dtype: torch.dtype, direction: str) -> Cost:
     return Cost((2 if direction == "fwd" else 5) * torch.Size(shape).numel() * dtype.itemsize)
 
 
-def _layer_norm_baselines() -> dict[str, Fn]:
-    eager = lambda x, w, b: torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b, 1e-5)  # noqa: E731
-    impls = {"torch eager": eager, "torch.compile": torch.compile(eager, dynamic=False)}
-    if importlib.util.find_spec("liger_kernel") is not None:
-        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
-
-        impls["liger"] = lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, 1e-5)
-    return impls
-
-
-def _rms_norm_baselines() -> dict[str, Fn]:
-    eager = lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-6)  # noqa: E731
-    impls = {"torch eager": eager, "torch.compile": torch.compile(eager, dynamic=False)}
-    if importlib.util.find_spec("liger_kernel") is not None:
-        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-
-        impls["liger"] = lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-6)
-    return impls
-
-
 def _norm_kernel_only(rms: bool) -> Callable[[], dict[str, Fn]]:
     def impls() -> dict[str, Fn]:
         from kernelforge.triton.norms import norm_forward_rows
@@ -114,7 +89,9 @@ def _elementwise_cost(reads: int, writes: int, grad_reads: int, grad_writes: int
     return cost
 
 
-def _activation_baselines(eager: Fn, liger: Optional[Callable[[], Fn]] = None) -> Callable[[], dict[str, Fn]]:
+def _baselines(eager: Fn, liger: Optional[Callable[[], Fn]] = None) -> Callable[[], dict[str, Fn]]:
+    """Eager PyTorch, its torch.compile, and Liger-Kernel's version when it is importable
+    (`liger` builds it; only called then)."""
     def impls() -> dict[str, Fn]:
         found = {"torch eager": eager, "torch.compile": torch.compile(eager, dynamic=False)}
         if liger is not None and importlib.util.find_spec("liger_kernel") is not None:
@@ -124,85 +101,99 @@ def _activation_baselines(eager: Fn, liger: Optional[Callable[[], Fn]] = None) -
     return impls
 
 
+def _liger_layer_norm() -> Fn:
+    from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+
+    return lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, 1e-5)
+
+
+def _liger_rms_norm() -> Fn:
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+    return lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-6)
+
+
 def _liger_swiglu() -> Fn:
     from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
     return LigerSiLUMulFunction.apply
 
 
-ACTIVATION_SHAPES = [(16384, 4096), (8192, 16384), (4096, 65536), (1, 4096), (8, 4096), (32, 4096)]
-NORM_SHAPES = [(16384, 4096), (8192, 16384), (4096, 65536), (1, 4096), (8, 4096), (32, 4096)]
+# Norms and activations: TARGETS.md's large shapes, then the latency shapes.
+ROW_OP_SHAPES = [(16384, 4096), (8192, 16384), (4096, 65536), (1, 4096), (8, 4096), (32, 4096)]
+QUICK_SHAPES = [(256, 4096), (8, 4096)]
 
 SUITES: dict[str, Suite] = {
     "softmax": Suite(
         op="softmax",
         shapes=[(16384, 4096), (8192, 16384), (4096, 65536), (1024, 262144), (4096, 1024),
                 (1, 4096), (8, 4096), (32, 4096)],
-        quick_shapes=[(256, 4096), (8, 4096)],
+        quick_shapes=QUICK_SHAPES,
         make_inputs=lambda shape, dtype, device: (torch.randn(shape, device=device, dtype=dtype) * 3,),
         # read x, write y; backward reads dy and y and writes dx
         cost=lambda shape, dtype, direction: Cost(
             (2 if direction == "fwd" else 5) * torch.Size(shape).numel() * dtype.itemsize),
         kernelforge=lambda x: kf.softmax(x, -1),
-        baselines=_softmax_baselines,
+        baselines=_baselines(lambda x: torch.softmax(x, -1)),
         kernel_only=_softmax_kernel_only,
     ),
     "layer_norm": Suite(
         op="layer_norm",
         registry_op="norms",
-        shapes=NORM_SHAPES,
-        quick_shapes=[(256, 4096), (8, 4096)],
+        shapes=ROW_OP_SHAPES,
+        quick_shapes=QUICK_SHAPES,
         make_inputs=lambda shape, dtype, device: _norm_inputs(shape, dtype, device, bias=True),
         cost=_norm_cost,
         kernelforge=lambda x, w, b: kf.layer_norm(x, w, b, 1e-5),
-        baselines=_layer_norm_baselines,
+        baselines=_baselines(lambda x, w, b: torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b, 1e-5),
+                             _liger_layer_norm),
         peers={"liger": "liger_kernel"},
         kernel_only=_norm_kernel_only(rms=False),
     ),
     "rms_norm": Suite(
         op="rms_norm",
         registry_op="norms",
-        shapes=NORM_SHAPES,
-        quick_shapes=[(256, 4096), (8, 4096)],
+        shapes=ROW_OP_SHAPES,
+        quick_shapes=QUICK_SHAPES,
         make_inputs=lambda shape, dtype, device: _norm_inputs(shape, dtype, device, bias=False),
         cost=_norm_cost,
         kernelforge=lambda x, w: kf.rms_norm(x, w, 1e-6),
-        baselines=_rms_norm_baselines,
+        baselines=_baselines(lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-6), _liger_rms_norm),
         peers={"liger": "liger_kernel"},
         kernel_only=_norm_kernel_only(rms=True),
     ),
     "gelu": Suite(
         op="gelu",
         registry_op="activation",
-        shapes=ACTIVATION_SHAPES,
-        quick_shapes=[(256, 4096), (8, 4096)],
+        shapes=ROW_OP_SHAPES,
+        quick_shapes=QUICK_SHAPES,
         make_inputs=lambda shape, dtype, device: (torch.randn(shape, device=device, dtype=dtype),),
         cost=_elementwise_cost(reads=1, writes=1, grad_reads=2, grad_writes=1),
         kernelforge=lambda x: kf.gelu(x),
-        baselines=_activation_baselines(lambda x: torch.nn.functional.gelu(x)),
+        baselines=_baselines(lambda x: torch.nn.functional.gelu(x)),
     ),
     "bias_gelu": Suite(
         op="bias_gelu",
         registry_op="activation",
-        shapes=ACTIVATION_SHAPES,
-        quick_shapes=[(256, 4096), (8, 4096)],
+        shapes=ROW_OP_SHAPES,
+        quick_shapes=QUICK_SHAPES,
         make_inputs=lambda shape, dtype, device: (torch.randn(shape, device=device, dtype=dtype),
                                                   torch.randn(shape[-1], device=device, dtype=dtype)),
         cost=_elementwise_cost(reads=1, writes=1, grad_reads=2, grad_writes=1),
         kernelforge=lambda x, b: kf.bias_gelu(x, b, approximate="tanh"),
-        baselines=_activation_baselines(lambda x, b: torch.nn.functional.gelu(x + b, approximate="tanh")),
+        baselines=_baselines(lambda x, b: torch.nn.functional.gelu(x + b, approximate="tanh")),
     ),
     "swiglu": Suite(
         op="swiglu",
         registry_op="gated_activation",
-        shapes=ACTIVATION_SHAPES,
-        quick_shapes=[(256, 4096), (8, 4096)],
+        shapes=ROW_OP_SHAPES,
+        quick_shapes=QUICK_SHAPES,
         make_inputs=lambda shape, dtype, device: (torch.randn(shape, device=device, dtype=dtype),
                                                   torch.randn(shape, device=device, dtype=dtype)),
         # forward reads gate and up, writes y; backward reads dy, gate, up, writes both grads
         cost=_elementwise_cost(reads=2, writes=1, grad_reads=3, grad_writes=2),
         kernelforge=lambda gate, up: kf.swiglu(gate, up),
-        baselines=_activation_baselines(lambda gate, up: torch.nn.functional.silu(gate) * up, _liger_swiglu),
+        baselines=_baselines(lambda gate, up: torch.nn.functional.silu(gate) * up, _liger_swiglu),
         peers={"liger": "liger_kernel"},
     ),
 }

@@ -178,6 +178,26 @@ def _store_grad_h(dh_ptr, dres_ptr, dh, rows, cols, row_mask, col_mask, n_cols, 
 
 
 @triton.jit
+def _accumulate_param_grads(dw_acc, db_acc, dy, xhat, WEIGHT_GRAD: tl.constexpr, BIAS_GRAD: tl.constexpr):
+    """Add a tile's weight (dy * xhat) and bias (dy) gradient column sums to a program's partials."""
+    if WEIGHT_GRAD:
+        dw_acc += tl.sum(dy * xhat, axis=0)
+    if BIAS_GRAD:
+        db_acc += tl.sum(dy, axis=0)
+    return dw_acc, db_acc
+
+
+@triton.jit
+def _store_param_partials(dw_part_ptr, db_part_ptr, partial_row, cols, col_mask, n_cols, dw_acc, db_acc,
+                          WEIGHT_GRAD: tl.constexpr, BIAS_GRAD: tl.constexpr):
+    """A program's partials into row `partial_row` of the (programs, n) float32 buffers."""
+    if WEIGHT_GRAD:
+        tl.store(dw_part_ptr + partial_row * n_cols + cols, dw_acc, mask=col_mask)
+    if BIAS_GRAD:
+        tl.store(db_part_ptr + partial_row * n_cols + cols, db_acc, mask=col_mask)
+
+
+@triton.jit
 def _norm_bwd_fused_kernel(
     dy_ptr, h_ptr, w_ptr, mean_ptr, rstd_ptr, dres_ptr, dh_ptr, dw_part_ptr, db_part_ptr,
     n_rows, n_cols, dy_row_stride, h_row_stride, dres_row_stride, offset, tiles_per_program,
@@ -200,14 +220,8 @@ def _norm_bwd_fused_kernel(
             dh -= (tl.sum(g, axis=1) / n_cols)[:, None]
         _store_grad_h(dh_ptr, dres_ptr, dh * rstd[:, None], rows, cols, row_mask, col_mask, n_cols,
                       dres_row_stride, HAS_DRES)
-        if WEIGHT_GRAD:
-            dw_acc += tl.sum(dy * xhat, axis=0)
-        if BIAS_GRAD:
-            db_acc += tl.sum(dy, axis=0)
-    if WEIGHT_GRAD:
-        tl.store(dw_part_ptr + pid * n_cols + cols, dw_acc, mask=col_mask)
-    if BIAS_GRAD:
-        tl.store(db_part_ptr + pid * n_cols + cols, db_acc, mask=col_mask)
+        dw_acc, db_acc = _accumulate_param_grads(dw_acc, db_acc, dy, xhat, WEIGHT_GRAD, BIAS_GRAD)
+    _store_param_partials(dw_part_ptr, db_part_ptr, pid, cols, col_mask, n_cols, dw_acc, db_acc, WEIGHT_GRAD, BIAS_GRAD)
 
 
 @triton.jit
@@ -258,14 +272,9 @@ def _norm_bwd_chunked_kernel(
             dh -= tl.load(dots_ptr + 2 * rows + 1, mask=row_mask, other=0.0)[:, None]
         _store_grad_h(dh_ptr, dres_ptr, dh * rstd[:, None], rows, cols, row_mask, col_mask, n_cols,
                       dres_row_stride, HAS_DRES)
-        if WEIGHT_GRAD:
-            dw_acc += tl.sum(dy * xhat, axis=0)
-        if BIAS_GRAD:
-            db_acc += tl.sum(dy, axis=0)
-    if WEIGHT_GRAD:
-        tl.store(dw_part_ptr + group * n_cols + cols, dw_acc, mask=col_mask)
-    if BIAS_GRAD:
-        tl.store(db_part_ptr + group * n_cols + cols, db_acc, mask=col_mask)
+        dw_acc, db_acc = _accumulate_param_grads(dw_acc, db_acc, dy, xhat, WEIGHT_GRAD, BIAS_GRAD)
+    _store_param_partials(dw_part_ptr, db_part_ptr, group, cols, col_mask, n_cols, dw_acc, db_acc, WEIGHT_GRAD,
+                          BIAS_GRAD)
 
 
 # ----------------------------------------------------------------------------- launch configs
