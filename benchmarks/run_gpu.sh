@@ -1,26 +1,51 @@
 #!/usr/bin/env bash
-# One device call: doctor, the GPU test suite, then the benchmarks, logs under $OUT.
-#   bash benchmarks/run_gpu.sh [tests] [sweep] [overhead] [bench] [harness]     (default: tests bench)
-# Results land in $OUT/results/ (softmax.json, softmax.md, gpu-tests.log, doctor.log).
+# One device call: doctor, then the stages asked for, logs and results under $OUT.
+#   bash benchmarks/run_gpu.sh [build] [tests] [harness] [sweep] [overhead]   (default: build tests)
+#   build    compile every CUDA extension, in parallel, into .kfcache/ (kept on a warm machine)
+#   tests    the GPU suite (pytest -m gpu): op tests spread over 8 workers, then the timing tests alone
+#   harness  kernelforge bench $BENCH_OPS (default all) --dtype $BENCH_DTYPE (default bf16) --crosscheck
+# Everything lands in $OUT/results/ and is packed into $OUT/results.tgz (the device returns
+# at most 8 files), exactly as produced.
 set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 KERNELFORGE_CACHE_DIR=$PWD/.kfcache
+if [ -d .whl ]; then  # peers carried as wheels (Liger-Kernel is not on the GPU image)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PWD:/tmp/site
+fi
 OUT=${OUT:-/tmp/kernelforge-out}
-mkdir -p "$OUT/results"
-stages=${*:-tests bench}
+R=$OUT/results
+mkdir -p "$R"
+stages=${*:-build tests}
 status=0
-python3 -m kernelforge.cli doctor 2>&1 | tee "$OUT/results/doctor.log"
+python3 -m kernelforge.cli doctor > "$R/doctor.log" 2>&1
 for stage in $stages; do
+  start=$SECONDS
   case $stage in
-    tests) timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/results/gpu-tests.log" | tail -40
-           status=$(( status | ${PIPESTATUS[0]} )) ;;
-    sweep) timeout 420 python3 benchmarks/softmax_sweep.py --out "$OUT/results" > "$OUT/results/sweep.log" 2>&1
-           status=$(( status | $? )); tail -3 "$OUT/results/sweep.log" ;;
-    overhead) timeout 300 python3 benchmarks/softmax_overhead.py > "$OUT/results/overhead.log" 2>&1
-           status=$(( status | $? )); head -14 "$OUT/results/overhead.log" ;;
-    harness) timeout 540 python3 -m kernelforge.cli bench all --crosscheck --out "$OUT/results" > "$OUT/results/harness.log" 2>&1
-           status=$(( status | $? )); tail -5 "$OUT/results/harness.log" ;;
-    bench) timeout 420 python3 benchmarks/softmax.py --out "$OUT/results" > "$OUT/results/bench.log" 2>&1
-           status=$(( status | $? )); cat "$OUT/results/softmax.md" ;;
+    build)
+      for ext in softmax norms activations; do
+        python3 -c "from kernelforge.cuda.compiler import get_cuda_compiler as g; g().load('$ext')" \
+          > "$R/build-$ext.log" 2>&1 &
+      done
+      for job in $(jobs -p); do wait "$job"; status=$(( status | $? )); done
+      tail -n 3 "$R"/build-*.log ;;
+    tests)
+      timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 8 --dist loadfile --ignore tests/bench \
+        > "$R/gpu-tests.log" 2>&1
+      status=$(( status | $? ))
+      timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/bench > "$R/gpu-tests-timing.log" 2>&1
+      status=$(( status | $? ))
+      grep -E "^(FAILED|ERROR)" "$R/gpu-tests.log" | head -60; tail -n 2 "$R/gpu-tests.log" "$R/gpu-tests-timing.log" ;;
+    harness)
+      timeout "${BENCH_TIMEOUT:-540}" python3 -m kernelforge.cli bench ${BENCH_OPS:-all} --dtype "${BENCH_DTYPE:-bf16}" \
+        --crosscheck --out "$R" > "$R/harness.log" 2>&1
+      status=$(( status | $? )); tail -n 5 "$R/harness.log" ;;
+    sweep) timeout 420 python3 benchmarks/softmax_sweep.py --out "$R" > "$R/sweep.log" 2>&1
+      status=$(( status | $? )); tail -n 3 "$R/sweep.log" ;;
+    overhead) timeout 300 python3 benchmarks/softmax_overhead.py > "$R/overhead.log" 2>&1
+      status=$(( status | $? )); head -n 14 "$R/overhead.log" ;;
+    *) echo "unknown stage $stage"; status=1 ;;
   esac
+  echo "== $stage: $(( SECONDS - start )) s, status so far $status"
 done
+tar -czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$R"
 exit $status

@@ -110,7 +110,8 @@ def _liger_layer_norm() -> Fn:
 def _liger_rms_norm() -> Fn:
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
-    return lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-6)
+    # not in place: Liger's default writes dX over dY, and the harness reuses dY
+    return lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama", False)
 
 
 def _liger_swiglu() -> Fn:
