@@ -19,7 +19,7 @@ Backward (dh = rstd * (g - mean(g) - xhat * mean(g*xhat)), g = dy * w; RMS drops
   fused (n <= FUSED_MAX_COLS_BACKWARD): a persistent grid of about 4 programs per SM, each
       walking a contiguous range of row tiles; it reads dy and h once, writes dh, and keeps
       the weight/bias gradient partials of its rows in registers, stored once as a
-      (programs, n) float32 buffer that a deterministic column sum finishes (no atomics).
+      (programs, n) float32 buffer that _sum_partials_kernel sums in a fixed order (no atomics).
       Bytes: 2*R*n*E read + R*n*E written + 2 * programs*n*4 for the partials.
   chunked (longer rows): a row-dots kernel reads dy and h to get mean(g) and mean(g*xhat)
       per row; then a 2-D grid of (column chunk, row group) programs re-reads dy and h,
@@ -28,6 +28,7 @@ Backward (dh = rstd * (g - mean(g) - xhat * mean(g*xhat)), g = dy * w; RMS drops
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -41,11 +42,16 @@ from kernelforge.triton._launch import on_device, sm_count, warps_for
 # warps; backward holds dy and h, so half.
 FUSED_MAX_COLS = 32768
 FUSED_MAX_COLS_BACKWARD = 16384
+# Layer norm's fused backward also keeps a bias-gradient accumulator: at 16384 columns its
+# four row-wide float32 arrays spilled (H100: 2.9 ms against the chunked path's ~0.5 ms at
+# 8192x16384), so its rows past 8192 take the chunked path.
+FUSED_MAX_COLS_BACKWARD_LAYER_NORM = 8192
 ROW_TILE_ELEMS = 4096  # elements of one fused tile when rows are short (several rows a program)
 CHUNK_COLS = 8192  # chunk of the long-row forward and row-dots kernels
 CHUNK_WARPS = 16
 BACKWARD_TILE = (4, 1024)  # rows x columns of the long-row backward's 2-D grid programs
 PROGRAMS_PER_SM = 4  # persistent backward grids: enough programs in flight to hide latency
+PARTIALS_BLOCK = (32, 64)  # partial rows x columns a program of _sum_partials_kernel loads at once
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -277,6 +283,33 @@ def _norm_bwd_chunked_kernel(
                           BIAS_GRAD)
 
 
+@triton.jit
+def _sum_partials_kernel(
+    dw_part_ptr, db_part_ptr, dw_ptr, db_ptr, n_partials, n_cols,
+    WEIGHT_GRAD: tl.constexpr, BIAS_GRAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Column sums of the (n_partials, n) float32 partial buffers, in a fixed order (so
+    deterministic), stored in dw's and db's dtypes. A program owns BLOCK_N columns and walks
+    all partial rows. Bytes: 4 * n_partials * n read per buffer, n * E written. (torch's
+    sum(0) over these narrow, tall buffers ran at ~0.3 TB/s: 32 us a buffer at 528 x 4096.)"""
+    cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    dw_acc = tl.zeros((BLOCK_P, BLOCK_N), tl.float32)
+    db_acc = tl.zeros((BLOCK_P, BLOCK_N), tl.float32)
+    for start in range(0, n_partials, BLOCK_P):
+        parts = start + tl.arange(0, BLOCK_P)
+        mask = (parts < n_partials)[:, None] & col_mask[None, :]
+        offsets = parts.to(tl.int64)[:, None] * n_cols + cols[None, :]
+        if WEIGHT_GRAD:
+            dw_acc += tl.load(dw_part_ptr + offsets, mask=mask, other=0.0)
+        if BIAS_GRAD:
+            db_acc += tl.load(db_part_ptr + offsets, mask=mask, other=0.0)
+    if WEIGHT_GRAD:
+        tl.store(dw_ptr + cols, tl.sum(dw_acc, axis=0).to(dw_ptr.dtype.element_ty), mask=col_mask)
+    if BIAS_GRAD:
+        tl.store(db_ptr + cols, tl.sum(db_acc, axis=0).to(db_ptr.dtype.element_ty), mask=col_mask)
+
+
 # ----------------------------------------------------------------------------- launch configs
 @dataclass(frozen=True)
 class NormConfig:
@@ -289,8 +322,13 @@ class NormConfig:
     num_warps: int
 
 
-def default_config(n_rows: int, n_cols: int, backward: bool = False) -> NormConfig:
-    if n_cols <= (FUSED_MAX_COLS_BACKWARD if backward else FUSED_MAX_COLS):
+@functools.lru_cache(maxsize=4096)  # on every launch; a pure function of a few ints
+def default_config(n_rows: int, n_cols: int, backward: bool = False, rms: bool = True) -> NormConfig:
+    if not backward:
+        fused_max = FUSED_MAX_COLS
+    else:
+        fused_max = FUSED_MAX_COLS_BACKWARD if rms else FUSED_MAX_COLS_BACKWARD_LAYER_NORM
+    if n_cols <= fused_max:
         block_n = triton.next_power_of_2(n_cols)
         block_m = max(1, min(ROW_TILE_ELEMS // block_n, triton.next_power_of_2(n_rows)))
         return NormConfig(True, block_m, block_n, warps_for(block_m * block_n))
@@ -341,7 +379,7 @@ def norm_backward_rows(grad_y2d, grad_residual2d, h2d, weight, bias_present: boo
                        rms: bool, offset: float, need_weight_grad: bool, config: Optional[NormConfig] = None):
     """(grad_h, grad_weight or None, grad_bias or None); the launcher contract of
     kernelforge.reference.norms. Weight and bias gradients: per-program float32 partials
-    summed by torch (deterministic: no atomics anywhere)."""
+    summed by _sum_partials_kernel (deterministic: no atomics anywhere)."""
     n_rows, n_cols = h2d.shape
     if n_rows == 0 or n_cols == 0:
         from kernelforge.reference.norms import norm_backward_rows as reference
@@ -352,7 +390,7 @@ def norm_backward_rows(grad_y2d, grad_residual2d, h2d, weight, bias_present: boo
     dh = torch.empty((n_rows, n_cols), dtype=h2d.dtype, device=device)
     weight_grad = need_weight_grad and weight is not None
     bias_grad = need_weight_grad and bias_present
-    cfg = config or default_config(n_rows, n_cols, backward=True)
+    cfg = config or default_config(n_rows, n_cols, backward=True, rms=rms)
     target_programs = PROGRAMS_PER_SM * sm_count(device)
     if cfg.fused:
         n_tiles = triton.cdiv(n_rows, cfg.block_m)
@@ -385,6 +423,12 @@ def norm_backward_rows(grad_y2d, grad_residual2d, h2d, weight, bias_present: boo
             _norm_bwd_chunked_kernel[(triton.cdiv(n_cols, cfg.block_n), programs)](
                 *loads, dots, _or(grad_residual2d, dh), dh, dw_part, db_part, n_rows, n_cols, *strides,
                 dres_row_stride, offset, rows_per_group, **flags)
-    grad_weight = dw_part.sum(0).to(weight.dtype) if weight_grad else None
-    grad_bias = db_part.sum(0) if bias_grad else None
+    grad_weight = torch.empty(n_cols, dtype=weight.dtype, device=device) if weight_grad else None
+    grad_bias = torch.empty(n_cols, dtype=torch.float32, device=device) if bias_grad else None
+    if weight_grad or bias_grad:
+        with on_device(h2d):
+            _sum_partials_kernel[(triton.cdiv(n_cols, PARTIALS_BLOCK[1]),)](
+                dw_part, db_part, _or(grad_weight, grad_bias), _or(grad_bias, grad_weight), programs, n_cols,
+                WEIGHT_GRAD=weight_grad, BIAS_GRAD=bias_grad, BLOCK_P=PARTIALS_BLOCK[0],
+                BLOCK_N=PARTIALS_BLOCK[1], num_warps=4)
     return dh, grad_weight, grad_bias

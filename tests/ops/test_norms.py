@@ -212,6 +212,47 @@ def test_weight_gradients_are_deterministic(backend, device):
     assert torch.equal(grads[0], grads[1])
 
 
+@pytest.mark.parametrize("backend,device", backend_cases(("triton",)))
+@pytest.mark.parametrize("name", ["layer_norm", "rms_norm"])
+def test_weight_and_bias_gradients_over_many_partials(backend, device, name, monkeypatch):
+    # More per-program partial rows than the partial-sum kernel loads at once (32), a count
+    # that is no multiple of it, and bf16 parameters (the sum is stored in weight's dtype).
+    import kernelforge.triton.norms as triton_norms
+
+    monkeypatch.setattr(triton_norms, "PROGRAMS_PER_SM", 16 if device == "cpu" else 1)
+    rows = 64 * 47 if device == "cpu" else 64 * 133  # 47 and 133 partial rows
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    x = torch.randn(rows, 64, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(64, device=device, dtype=dtype, requires_grad=True)
+    b = torch.randn(64, device=device, dtype=dtype, requires_grad=True)
+    g = torch.randn_like(x)
+    with kf.use_backend(backend):
+        got = torch.autograd.grad(getattr(kf, name)(x, w, eps=1e-5, bias=b), (w, b), g)
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    expected = torch.autograd.grad(torch_norm(name, x64, w64, b64, 1e-5, 0.0, (64,)), (w64, b64), g.double())
+    w32, b32 = (t.detach().float().requires_grad_() for t in (w, b))
+    baseline = torch.autograd.grad(torch_norm(name, x.detach().float(), w32, b32, 1e-5, 0.0, (64,)), (w32, b32),
+                                   g.float())
+    for label, ours_grad, base, exp in zip(("weight", "bias"), got, baseline, expected):
+        assert ours_grad.dtype == dtype
+        assert_matches_oracle(ours_grad, base.to(dtype), exp, f"{name} {label} grad", reduced=rows)
+
+
+def test_backend_rules():
+    # measured on an H100: CUDA launches cheaper (small inputs), Triton's forward is faster (large)
+    from types import SimpleNamespace
+
+    from kernelforge.ops import norms as ops
+
+    big = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16, numel=lambda: 1 << 20)
+    assert ops._preference(big)[0] == ("triton", "cuda", "reference")
+    small = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16, numel=lambda: 4096)
+    order, reason = ops._preference(small)
+    assert order == ("cuda", "triton", "reference") and "host time dominates" in reason
+    assert ops._preference(torch.randn(2, 3))[0] == ("reference",)
+    assert ops._choice_key(big) != ops._choice_key(small)
+
+
 def test_gradcheck_and_gradgradcheck_float64():
     x = torch.randn(3, 4, 6, dtype=torch.float64, requires_grad=True)
     r = torch.randn(3, 4, 6, dtype=torch.float64, requires_grad=True)
