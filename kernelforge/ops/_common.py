@@ -5,7 +5,7 @@ alike, and its message says which argument, what was expected, and what was give
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -34,13 +34,21 @@ def normalize_dim(op: str, name: str, dim: int, ndim: int) -> int:
     return dim % rank
 
 
+def require(condition, message: Callable[[], str]) -> None:
+    """torch._check(condition, message) without its cost when the condition is a plain True
+    (every eager call): a symbolic condition under tracing still goes to torch._check,
+    which records it instead of guarding on it. Both raise RuntimeError."""
+    if condition is not True:
+        torch._check(condition, message)
+
+
 def check_same(op: str, what: str, names: Sequence[str], values: Sequence[object]) -> None:
     """All of `values` (devices, dtypes, shapes) equal, else a message naming each argument."""
-    torch._check(
-        all(v == values[0] for v in values[1:]),
-        lambda: f"kernelforge.{op}: expected {', '.join(names)} to have the same {what}, got "
-        + ", ".join(f"{n}: {v}" for n, v in zip(names, values)),
-    )
+    first = values[0]
+    for v in values[1:]:
+        if not v == first:
+            raise RuntimeError(f"kernelforge.{op}: expected {', '.join(names)} to have the same {what}, got "
+                               + ", ".join(f"{n}: {v}" for n, v in zip(names, values)))
 
 
 def plain_eager_call(x: torch.Tensor, *others: Optional[torch.Tensor]) -> bool:

@@ -26,7 +26,8 @@ import torch
 
 from kernelforge import backends
 from kernelforge._rows import empty_rows_output, from_rows, rows_view
-from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, plain_eager_call
+from kernelforge.ops._common import (FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, plain_eager_call,
+                                     require)
 from kernelforge.ops.activations import (_acc, _check_kind, _check_same_as, _gelu_kind, _needs_grad, _preference,
                                          _row_dim, _save_all_and_kind, _why_not_reference)
 from kernelforge.reference.activations import activation_derivative, activation_second_derivative, activation_value
@@ -67,7 +68,7 @@ def _packed_half(name: str, gate_up: torch.Tensor) -> int:
     check_floating(name, "gate", gate_up, FLOAT_DTYPES)
     if gate_up.dim() == 0:
         raise ValueError(f"kernelforge.{name}: gate must have at least 1 dim to split into [gate | up], got a 0-dim tensor")
-    torch._check(
+    require(
         gate_up.shape[-1] % 2 == 0,
         lambda: f"kernelforge.{name}: gate with up=None must hold [gate | up] along its last dim, "
         f"which must be even, got shape {tuple(gate_up.shape)}",
@@ -84,7 +85,7 @@ def _check_packed_backward(name: str, grad_output: torch.Tensor, gate_up: torch.
     check_same(name, "device", ("grad_output", "gate"), (grad_output.device, gate_up.device))
     check_same(name, "dtype", ("grad_output", "gate"), (grad_output.dtype, gate_up.dtype))
     expected = tuple(_packed_out_shape(gate_up, half))
-    torch._check(
+    require(
         tuple(grad_output.shape) == expected,
         lambda: f"kernelforge.{name}: grad_output must have shape {expected} (gate's with its last dim "
         f"halved), got {tuple(grad_output.shape)}",

@@ -44,6 +44,7 @@ torch for it), and on CPU tensors under TRITON_INTERPRET=1.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -234,6 +235,7 @@ class TileConfig:
         return triton.cdiv(n_rows, self.block_m), triton.cdiv(n_cols, self.block_n)
 
 
+@functools.lru_cache(maxsize=4096)  # on every launch; a pure function of a few ints
 def default_config(n_rows: int, n_cols: int) -> TileConfig:
     block_n = min(triton.next_power_of_2(n_cols), MAX_BLOCK_N if n_rows > 1 else TILE_ELEMS)
     block_m = max(1, min(TILE_ELEMS // block_n, triton.next_power_of_2(n_rows)))
