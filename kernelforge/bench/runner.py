@@ -12,6 +12,7 @@ from typing import Optional, TextIO
 
 import torch
 
+import kernelforge as kf
 from kernelforge.bench.roofline import get_ceilings, roofline
 from kernelforge.bench.suites import SUITES, Suite, kernelforge_implementations, missing_peers, shape_label
 from kernelforge.bench.timing import time_function
@@ -50,14 +51,22 @@ def progress_bar(done: int, total: int, width: int = 20) -> str:
     return "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total}"
 
 
-def _call(fn, inputs: tuple, direction: str):
+def prepare_call(fn, inputs: tuple, direction: str):
     """A no-argument callable running one forward or forward+backward of fn on inputs."""
     if direction == "fwd":
         return lambda: fn(*inputs)
     leaves = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs)
     differentiable = [t for t in leaves if t.requires_grad]
     grad_out = torch.randn_like(fn(*leaves))
-    return lambda: torch.autograd.grad(fn(*leaves), differentiable, grad_out)
+    backend = getattr(fn, "forced_backend", None)
+    if backend is None:
+        return lambda: torch.autograd.grad(fn(*leaves), differentiable, grad_out)
+
+    def forced():  # the backward ops pick their backend when autograd runs them: force it there too
+        with kf.use_backend(backend):
+            return torch.autograd.grad(fn(*leaves), differentiable, grad_out)
+
+    return forced
 
 
 def _do_bench_row(fn, inputs: tuple, base: dict) -> dict:
@@ -89,7 +98,7 @@ def run_suite(suite: Suite, dtypes: list[str], device: torch.device, quick: bool
             row = {"op": suite.op, "shape": shape_label(shape), "dtype": dtype_name, "direction": direction,
                    "impl": name, "timing": "back-to-back" if small else "L2 flushed"}
             try:
-                t = time_function(_call(fn, inputs, direction), device, warmup=5 if quick else 10,
+                t = time_function(prepare_call(fn, inputs, direction), device, warmup=5 if quick else 10,
                                   repeat=repeat, back_to_back=small)
                 row.update(ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, **roofline(cost, t.median_ms, ceilings))
             except Exception as err:  # a failing implementation is reported, not dropped

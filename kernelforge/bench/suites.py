@@ -218,10 +218,13 @@ def kernelforge_implementations(suite: Suite, sample: torch.Tensor, only: Option
 
 
 def _forced(backend: str, fn: Fn) -> Fn:
+    """fn on `backend`; tagged, so that a forward+backward run keeps the backend for the
+    backward too (see kernelforge.bench.runner.prepare_call)."""
     def run(*args):
         with kf.use_backend(backend):
             return fn(*args)
 
+    run.forced_backend = backend
     return run
 
 

@@ -2,6 +2,7 @@
 their schema, plots, comparisons, profiling, and the CLI end to end."""
 import copy
 import csv
+import importlib
 import json
 import time
 
@@ -146,9 +147,11 @@ def test_harness_agrees_with_triton_do_bench(tmp_path, monkeypatch):
     # Issue 3's check: our timing of softmax and an independent do_bench measurement
     # agree within noise; the kernel-only rows are there too. Only the ceilings' cache moves
     # (the CUDA build cache stays, so the softmax extension is not rebuilt here).
-    from kernelforge.bench import roofline, suites
+    from kernelforge.bench import suites
 
-    monkeypatch.setattr(roofline, "_cache_path", lambda: tmp_path / "ceilings.json")
+    # (kernelforge.bench re-exports a function named roofline over the module's name)
+    roofline_module = importlib.import_module("kernelforge.bench.roofline")
+    monkeypatch.setattr(roofline_module, "_cache_path", lambda: tmp_path / "ceilings.json")
 
     monkeypatch.setattr(suites.SUITES["softmax"], "shapes", [(8192, 8192)])
     result = run_bench(["softmax"], ["bf16"], "cuda", repeat=50, crosscheck=True)
@@ -169,3 +172,27 @@ def test_every_suite_runs_on_cpu(tmp_path, monkeypatch):
     assert not [r for r in result["rows"] if "error" in r]
     seen = {(r["op"], r["direction"]) for r in result["rows"] if r["gbps"] > 0}
     assert seen == {(op, d) for op in SUITES for d in ("fwd", "fwd+bwd")}
+
+
+def test_forced_backend_covers_the_backward():
+    # "kernelforge[<backend>]" rows time that backend's backward too: the backward ops pick
+    # their backend when autograd runs them, after the forward's use_backend has exited.
+    from kernelforge import backends
+    from kernelforge.bench.runner import prepare_call
+    from kernelforge.bench.suites import _forced
+
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(backends._forced[0])
+            return grad * 2
+
+    prepare_call(_forced("reference", Probe.apply), (torch.randn(3),), "fwd+bwd")()
+    assert seen == ["reference"]
+    assert backends._forced[0] is None
