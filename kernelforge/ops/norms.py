@@ -38,7 +38,7 @@ OP = "norms"  # the backend registry's name for the family: the norms share kern
 
 
 # ----------------------------------------------------------------------------- dispatch
-def _why_not_triton(x: torch.Tensor, weight=None, bias=None):
+def _why_not_triton(x: torch.Tensor, weight=None, bias=None, **direction):
     from kernelforge.triton import why_unavailable
 
     for name, t in (("x", x), ("weight", weight), ("bias", bias)):
@@ -47,7 +47,7 @@ def _why_not_triton(x: torch.Tensor, weight=None, bias=None):
     return why_unavailable(x.device)
 
 
-def _why_not_cuda(x: torch.Tensor, weight=None, bias=None):
+def _why_not_cuda(x: torch.Tensor, weight=None, bias=None, **direction):
     from kernelforge.cuda import why_unavailable
 
     if x.device.type != "cuda":
@@ -57,31 +57,43 @@ def _why_not_cuda(x: torch.Tensor, weight=None, bias=None):
     return why_not(x, weight, bias) or why_unavailable("norms")
 
 
-def _why_not_reference(x: torch.Tensor, weight=None, bias=None):
+def _why_not_reference(x: torch.Tensor, weight=None, bias=None, **direction):
     return None
 
 
-# Below this many elements a call is bound by host time, and the CUDA extension launches in
-# ~14 us against Triton's ~50 us (H100 host, forward launcher with its allocations); from it
-# up Triton's kernels are faster: forward 96 us against CUDA's 279 us at 16384x4096 bf16,
-# backward within 5% of each other (benchmarks/results/nvidia-h100/, issue 4's note).
+# Forward: below this many elements a call is bound by host time, and the CUDA extension
+# launches in ~14 us against Triton's ~50 us (H100 host, launcher with its allocations); from
+# it up Triton's forward kernels are ~3x faster (96 against 279 us at 16384x4096 bf16).
 SMALL_INPUT_ELEMENTS = 1 << 20
+# Backward: up to this row length the CUDA kernels keep rows in registers and take the same
+# device time as Triton's (16384x4096 bf16: layer norm 207 against 216 us, RMS 182 against
+# 186 us) with one cheap launch instead of two Triton launches (kernel, partial sums); longer
+# rows are faster on Triton (8192x16384: 532 against 555 us, RMS 376 against 544 us).
+CUDA_BACKWARD_MAX_COLS = 8192
 
 
-def _preference(x: torch.Tensor, weight=None, bias=None):
+def _preference(x: torch.Tensor, weight=None, bias=None, n: int = 0, backward: bool = False):
     if x.device.type != "cuda":
         return ("reference",), "the reference is the CPU implementation"
+    if backward:
+        if n <= CUDA_BACKWARD_MAX_COLS:
+            return ("cuda", "triton", "reference"), (
+                f"backward over rows of <= {CUDA_BACKWARD_MAX_COLS} elements: the CUDA kernels match Triton's "
+                "device time with one ~10 us launch against two of ~50 us (H100)")
+        return ("triton", "cuda", "reference"), (
+            f"backward over rows of > {CUDA_BACKWARD_MAX_COLS} elements: Triton's kernels are faster (H100)")
     if x.numel() < SMALL_INPUT_ELEMENTS:
         return ("cuda", "triton", "reference"), (
             f"under {SMALL_INPUT_ELEMENTS} elements host time dominates and the CUDA extension launches "
             "in ~14 us against Triton's ~50 us (H100)")
     return ("triton", "cuda", "reference"), (
-        f"from {SMALL_INPUT_ELEMENTS} elements up Triton's kernels are faster (forward ~3x CUDA's, H100)")
+        f"from {SMALL_INPUT_ELEMENTS} elements up Triton's forward kernels are ~3x faster (H100)")
 
 
-def _choice_key(x: torch.Tensor, weight=None, bias=None):
+def _choice_key(x: torch.Tensor, weight=None, bias=None, n: int = 0, backward: bool = False):
     dtype = lambda t: None if t is None else t.dtype  # noqa: E731
-    return x.device.type, x.dtype, dtype(weight), dtype(bias), x.numel() < SMALL_INPUT_ELEMENTS
+    size = n <= CUDA_BACKWARD_MAX_COLS if backward else x.numel() < SMALL_INPUT_ELEMENTS
+    return x.device.type, x.dtype, dtype(weight), dtype(bias), backward, size
 
 
 backends.register(OP, "triton", "kernelforge.triton.norms", _why_not_triton)
@@ -208,17 +220,17 @@ def _shaped(t: torch.Tensor, shape) -> torch.Tensor:
     return t if t.shape == shape else t.view(shape)
 
 
-def _launchers(x: torch.Tensor, weight, bias):
+def _launchers(x: torch.Tensor, weight, bias, n: int, backward: bool):
     if x.numel() == 0:  # nothing to launch: the reference shapes the empty results
         return backends.implementations(OP)["reference"].launchers()
-    return backends.select(OP, x, weight, bias).implementation.launchers()
+    return backends.select(OP, x, weight, bias, n=n, backward=backward).implementation.launchers()
 
 
 def _forward(v: _Variant, x, residual, normalized_shape, weight, bias, eps: float, offset: float) -> tuple:
     """What the registered forward op computes, as its output tuple."""
-    _check_forward(v, x, residual, normalized_shape, weight, bias, eps)
+    n = _check_forward(v, x, residual, normalized_shape, weight, bias, eps)
     k = len(normalized_shape)
-    y, residual_out, mean, rstd = _launchers(x, weight, bias).norm_forward_rows(
+    y, residual_out, mean, rstd = _launchers(x, weight, bias, n, backward=False).norm_forward_rows(
         _rows(x, k), _rows(residual, k), _flat(weight), _flat(bias), eps, v.rms, offset)
     stats_shape = x.shape[: x.dim() - len(normalized_shape)]
     return v.outputs(
@@ -230,9 +242,9 @@ def _backward(op: str, grad_y, grad_residual, h, normalized_shape, weight, bias,
               offset: float, weight_grads: bool) -> list:
     """What the registered backward ops compute."""
     stats = {"rstd": rstd} if mean is None else {"mean": mean, "rstd": rstd}
-    _check_backward(op, grad_y, grad_residual, h, normalized_shape, weight, bias, stats)
+    n = _check_backward(op, grad_y, grad_residual, h, normalized_shape, weight, bias, stats)
     k = len(normalized_shape)
-    dh, dw, db = _launchers(h, weight, bias).norm_backward_rows(
+    dh, dw, db = _launchers(h, weight, bias, n, backward=True).norm_backward_rows(
         _rows(grad_y, k), _rows(grad_residual, k), _rows(h, k), _flat(weight), bias is not None,
         _flat(mean), _flat(rstd), mean is None, offset, weight_grads)
     grads = [_shaped(dh, h.shape)]

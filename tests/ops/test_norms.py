@@ -245,12 +245,17 @@ def test_backend_rules():
     from kernelforge.ops import norms as ops
 
     big = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16, numel=lambda: 1 << 20)
-    assert ops._preference(big)[0] == ("triton", "cuda", "reference")
+    assert ops._preference(big, n=4096)[0] == ("triton", "cuda", "reference")
     small = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16, numel=lambda: 4096)
-    order, reason = ops._preference(small)
+    order, reason = ops._preference(small, n=4096)
     assert order == ("cuda", "triton", "reference") and "host time dominates" in reason
     assert ops._preference(torch.randn(2, 3))[0] == ("reference",)
-    assert ops._choice_key(big) != ops._choice_key(small)
+    assert ops._choice_key(big, n=4096) != ops._choice_key(small, n=4096)
+    # backward: by row length, whatever the size
+    assert ops._preference(big, n=8192, backward=True)[0] == ("cuda", "triton", "reference")
+    assert ops._preference(small, n=8193, backward=True)[0] == ("triton", "cuda", "reference")
+    assert ops._choice_key(big, n=8192, backward=True) != ops._choice_key(big, n=8193, backward=True)
+    assert ops._choice_key(big, n=4096, backward=True) != ops._choice_key(big, n=4096)
 
 
 def test_gradcheck_and_gradgradcheck_float64():
