@@ -13,6 +13,12 @@ GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def dtypes_for(backend, device):
+    if device == "cpu" and backend == "triton":
+        # Triton's interpreter truncates float32 -> bfloat16 stores instead of rounding to
+        # nearest (-117.38 stores as -117.0, not -117.5): up to 1 ulp against torch's half
+        # ulp, which failed the 2x rule on some seeds at 65537 columns. bf16 Triton runs
+        # in the GPU suite, compiled.
+        return [torch.float32, torch.float16]
     return GPU_DTYPES + ([torch.float64] if backend == "reference" else [])
 
 
@@ -66,7 +72,7 @@ def test_forward_and_backward_match_oracle(name, backend, device, shape, dim):
 @pytest.mark.parametrize("backend,device", backend_cases())
 @pytest.mark.parametrize("n", [32768, 32769, 262144, 262147])
 def test_long_rows(name, backend, device, n):
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (d for d in (torch.float32, torch.bfloat16) if d in dtypes_for(backend, device)):
         x = torch.randn(3, n, device=device, dtype=dtype) * 4
         check_forward(name, x, -1, backend)
         check_backward(name, x, -1, backend)
