@@ -12,13 +12,13 @@ import argparse
 import cProfile
 import io
 import pstats
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kernelforge.bench.runner import DTYPES, prepare_call
 from kernelforge.bench.suites import SUITES, kernelforge_implementations
+from kernelforge.bench.timing import wall_us_per_call
 
 ITERATIONS = 5
 
@@ -30,14 +30,7 @@ def implementations(suite, inputs, wanted):
 
 def kernel_table(call) -> str:
     """Device time per kernel (one call's worth) and the wall time of one synchronized call."""
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(ITERATIONS):
-        call()
-    torch.cuda.synchronize()
-    wall_us = (time.perf_counter() - start) / ITERATIONS * 1e6
+    wall_us = wall_us_per_call(call, calls=ITERATIONS, warmup=3)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(ITERATIONS):
             call()
@@ -53,14 +46,7 @@ def kernel_table(call) -> str:
 
 def host_profile(call, calls: int = 300) -> str:
     """Wall time per back-to-back call (host-bound at latency shapes) and the top functions."""
-    for _ in range(20):
-        call()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    torch.cuda.synchronize()
-    per_call = (time.perf_counter() - start) / calls * 1e6
+    per_call = wall_us_per_call(call, calls=calls, warmup=20)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):

@@ -9,25 +9,14 @@ forward+backward path.
 """
 import cProfile
 import pstats
-import time
 
 import torch
 
 import kernelforge as kf
 from kernelforge import backends
+from kernelforge.bench.timing import wall_us_per_call
 from kernelforge.cuda.softmax import softmax_forward_rows as cuda_rows
 from kernelforge.triton.softmax import softmax_forward_rows as triton_rows
-
-
-def per_call_us(fn, n=2000):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
 
 
 def main():
@@ -59,7 +48,7 @@ def main():
         "fwd+bwd kf forced cuda": fwd_bwd(forced("cuda")),
     }
     for name, fn in rows.items():
-        print(f"{name:<34} {per_call_us(fn):8.1f} us/call", flush=True)
+        print(f"{name:<34} {wall_us_per_call(fn, calls=2000, warmup=50):8.1f} us/call", flush=True)
 
     prof = cProfile.Profile()
     step = fwd_bwd(lambda t: kf.softmax(t, -1))

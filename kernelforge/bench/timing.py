@@ -79,6 +79,22 @@ def time_function(fn: Callable[[], object], device: torch.device | str = "cuda",
         return _summary(times)
 
 
+def wall_us_per_call(fn: Callable[[], object], calls: int = 100, warmup: int = 10,
+                     device: torch.device | str = "cuda") -> float:
+    """Wall-clock microseconds per call over `calls` back-to-back calls of fn, the device
+    synchronized before and after: on a GPU the host's cost per call wherever it exceeds the
+    GPU's (latency shapes), else the GPU's."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
 def _device_of(inputs) -> torch.device:
     """The device of the first tensor found in (nested) inputs; CPU if there is none."""
     stack = list(inputs)

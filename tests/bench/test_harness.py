@@ -24,6 +24,9 @@ def test_statistics_of_a_function_with_known_cost():
     assert s["runs"] == 15 and s["mean_time"] == pytest.approx(s["mean_ms"] / 1e3)
     q = quick_benchmark(time.sleep, 0.002)
     assert 0.002 <= q["mean_time"] < 0.008 and q["runs"] == 20
+    from kernelforge.bench.timing import wall_us_per_call
+
+    assert 2000 <= wall_us_per_call(lambda: time.sleep(0.002), calls=10, warmup=1, device="cpu") < 8000
 
 
 def test_compare_implementations_reports_failures():
