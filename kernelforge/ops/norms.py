@@ -185,7 +185,7 @@ def _check_backward(op: str, grad_y, grad_residual, h, normalized_shape, weight,
     for name, s in stats.items():
         check_same(op, "device", ("h", name), (h.device, s.device))
         require(s.dtype == stats_dtype,
-                     lambda: f"kernelforge.{op}: {name} must have dtype {stats_dtype} for h of {h.dtype}, got {s.dtype}")
+                lambda: f"kernelforge.{op}: {name} must have dtype {stats_dtype} for h of {h.dtype}, got {s.dtype}")
         require(
             tuple(s.shape) == tuple(h.shape[: h.dim() - k]),
             lambda: f"kernelforge.{op}: {name} must have shape {tuple(h.shape[: h.dim() - k])} "

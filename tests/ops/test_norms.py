@@ -220,7 +220,9 @@ def test_weight_and_bias_gradients_over_many_partials(backend, device, name, mon
     import kernelforge.triton.norms as triton_norms
 
     monkeypatch.setattr(triton_norms, "PROGRAMS_PER_SM", 16 if device == "cpu" else 1)
-    rows = 64 * 47 if device == "cpu" else 64 * 133  # 47 and 133 partial rows
+    # 47 row tiles of 64 rows: 47 programs on the CPU (4 "SMs" x 16); 133 tiles on a GPU over
+    # 1 program per SM: 67 programs of 2 tiles on an H100's 132 SMs
+    rows = 64 * 47 if device == "cpu" else 64 * 133
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     x = torch.randn(rows, 64, device=device, dtype=dtype, requires_grad=True)
     w = torch.randn(64, device=device, dtype=dtype, requires_grad=True)
