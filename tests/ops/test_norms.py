@@ -216,7 +216,7 @@ def test_weight_gradients_are_deterministic(backend, device):
 @pytest.mark.parametrize("name", ["layer_norm", "rms_norm"])
 def test_weight_and_bias_gradients_over_many_partials(backend, device, name, monkeypatch):
     # More per-program partial rows than the partial-sum kernel loads at once (32), a count
-    # that is no multiple of it, and bf16 parameters (the sum is stored in weight's dtype).
+    # that is no multiple of it, and on a GPU bf16 parameters (the sum is stored in their dtype).
     import kernelforge.triton.norms as triton_norms
 
     monkeypatch.setattr(triton_norms, "PROGRAMS_PER_SM", 16 if device == "cpu" else 1)
