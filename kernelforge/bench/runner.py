@@ -57,7 +57,8 @@ def prepare_call(fn, inputs: tuple, direction: str):
         return lambda: fn(*inputs)
     leaves = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs)
     differentiable = [t for t in leaves if t.requires_grad]
-    grad_out = torch.randn_like(fn(*leaves))
+    out = fn(*leaves)  # a tensor, or a tuple of them (add_*_norm: y and the new residual)
+    grad_out = tuple(torch.randn_like(o) for o in out) if isinstance(out, tuple) else torch.randn_like(out)
     backend = getattr(fn, "forced_backend", None)
     if backend is None:
         return lambda: torch.autograd.grad(fn(*leaves), differentiable, grad_out)

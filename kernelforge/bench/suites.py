@@ -67,6 +67,22 @@ def _norm_cost(shape: Shape, dtype: torch.dtype, direction: str) -> Cost:
     return Cost((2 if direction == "fwd" else 5) * torch.Size(shape).numel() * dtype.itemsize)
 
 
+def _add_norm_cost(shape: Shape, dtype: torch.dtype, direction: str) -> Cost:
+    # forward reads x and residual, writes y and residual_out; backward reads dy, the
+    # residual_out gradient and h, and writes dh (the gradient of x and residual alike)
+    return Cost((4 if direction == "fwd" else 8) * torch.Size(shape).numel() * dtype.itemsize)
+
+
+def _eager_add_norm(rms: bool) -> Fn:
+    def run(x, residual, w, b=None):
+        h = x + residual
+        n = (x.shape[-1],)
+        return (torch.nn.functional.rms_norm(h, n, w, 1e-6) if rms
+                else torch.nn.functional.layer_norm(h, n, w, b, 1e-5)), h
+
+    return run
+
+
 def _norm_kernel_only(rms: bool) -> Callable[[], dict[str, Fn]]:
     def impls() -> dict[str, Fn]:
         from kernelforge.triton.norms import norm_forward_rows
@@ -114,10 +130,56 @@ def _liger_rms_norm() -> Fn:
     return lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama", False)
 
 
+def _liger_add_rms_norm() -> Fn:
+    from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
+
+    return lambda x, r, w: LigerFusedAddRMSNormFunction.apply(x, r, w, 1e-6, 0.0, "llama", False)
+
+
+def _liger_geglu() -> Fn:
+    from liger_kernel.ops.geglu import LigerGELUMulFunction  # gelu's tanh form
+
+    return LigerGELUMulFunction.apply
+
+
+def _liger_softmax() -> Fn:
+    from liger_kernel.ops.softmax import LigerSoftmaxFunction  # over the last dim
+
+    return LigerSoftmaxFunction.apply
+
+
 def _liger_swiglu() -> Fn:
     from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
     return LigerSiLUMulFunction.apply
+
+
+def _add_norm_inputs(shape: Shape, dtype: torch.dtype, device: torch.device, bias: bool) -> tuple:
+    x, *params = _norm_inputs(shape, dtype, device, bias)
+    return (x, torch.randn(shape, device=device, dtype=dtype), *params)
+
+
+def _bias_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> tuple:
+    return torch.randn(shape, device=device, dtype=dtype), torch.randn(shape[-1], device=device, dtype=dtype)
+
+
+def _gated_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> tuple:
+    return torch.randn(shape, device=device, dtype=dtype), torch.randn(shape, device=device, dtype=dtype)
+
+
+def _activation_suite(op: str, ours: Fn, eager: Fn) -> "Suite":
+    """An elementwise activation of one tensor: reads x and writes y forward; the backward
+    reads dy and x (recomputing what it needs) and writes dx."""
+    return Suite(
+        op=op,
+        registry_op="activation",
+        shapes=ROW_OP_SHAPES,
+        quick_shapes=QUICK_SHAPES,
+        make_inputs=lambda shape, dtype, device: (torch.randn(shape, device=device, dtype=dtype),),
+        cost=_elementwise_cost(reads=1, writes=1, grad_reads=2, grad_writes=1),
+        kernelforge=ours,
+        baselines=_baselines(eager),
+    )
 
 
 # Norms and activations: TARGETS.md's large shapes, then the latency shapes.
@@ -135,7 +197,8 @@ SUITES: dict[str, Suite] = {
         cost=lambda shape, dtype, direction: Cost(
             (2 if direction == "fwd" else 5) * torch.Size(shape).numel() * dtype.itemsize),
         kernelforge=lambda x: kf.softmax(x, -1),
-        baselines=_baselines(lambda x: torch.softmax(x, -1)),
+        baselines=_baselines(lambda x: torch.softmax(x, -1), _liger_softmax),
+        peers={"liger": "liger_kernel"},
         kernel_only=_softmax_kernel_only,
     ),
     "layer_norm": Suite(
@@ -163,23 +226,13 @@ SUITES: dict[str, Suite] = {
         peers={"liger": "liger_kernel"},
         kernel_only=_norm_kernel_only(rms=True),
     ),
-    "gelu": Suite(
-        op="gelu",
-        registry_op="activation",
-        shapes=ROW_OP_SHAPES,
-        quick_shapes=QUICK_SHAPES,
-        make_inputs=lambda shape, dtype, device: (torch.randn(shape, device=device, dtype=dtype),),
-        cost=_elementwise_cost(reads=1, writes=1, grad_reads=2, grad_writes=1),
-        kernelforge=lambda x: kf.gelu(x),
-        baselines=_baselines(lambda x: torch.nn.functional.gelu(x)),
-    ),
+    "gelu": _activation_suite("gelu", lambda x: kf.gelu(x), lambda x: torch.nn.functional.gelu(x)),
     "bias_gelu": Suite(
         op="bias_gelu",
         registry_op="activation",
         shapes=ROW_OP_SHAPES,
         quick_shapes=QUICK_SHAPES,
-        make_inputs=lambda shape, dtype, device: (torch.randn(shape, device=device, dtype=dtype),
-                                                  torch.randn(shape[-1], device=device, dtype=dtype)),
+        make_inputs=_bias_inputs,
         cost=_elementwise_cost(reads=1, writes=1, grad_reads=2, grad_writes=1),
         kernelforge=lambda x, b: kf.bias_gelu(x, b, approximate="tanh"),
         baselines=_baselines(lambda x, b: torch.nn.functional.gelu(x + b, approximate="tanh")),
@@ -189,12 +242,57 @@ SUITES: dict[str, Suite] = {
         registry_op="gated_activation",
         shapes=ROW_OP_SHAPES,
         quick_shapes=QUICK_SHAPES,
-        make_inputs=lambda shape, dtype, device: (torch.randn(shape, device=device, dtype=dtype),
-                                                  torch.randn(shape, device=device, dtype=dtype)),
+        make_inputs=_gated_inputs,
         # forward reads gate and up, writes y; backward reads dy, gate, up, writes both grads
         cost=_elementwise_cost(reads=2, writes=1, grad_reads=3, grad_writes=2),
         kernelforge=lambda gate, up: kf.swiglu(gate, up),
         baselines=_baselines(lambda gate, up: torch.nn.functional.silu(gate) * up, _liger_swiglu),
+        peers={"liger": "liger_kernel"},
+    ),
+    "add_layer_norm": Suite(
+        op="add_layer_norm",
+        registry_op="norms",
+        shapes=ROW_OP_SHAPES,
+        quick_shapes=QUICK_SHAPES,
+        make_inputs=lambda shape, dtype, device: _add_norm_inputs(shape, dtype, device, bias=True),
+        cost=_add_norm_cost,
+        kernelforge=lambda x, r, w, b: kf.add_layer_norm(x, r, w, b, 1e-5),
+        baselines=_baselines(_eager_add_norm(rms=False)),
+    ),
+    "add_rms_norm": Suite(
+        op="add_rms_norm",
+        registry_op="norms",
+        shapes=ROW_OP_SHAPES,
+        quick_shapes=QUICK_SHAPES,
+        make_inputs=lambda shape, dtype, device: _add_norm_inputs(shape, dtype, device, bias=False),
+        cost=_add_norm_cost,
+        kernelforge=lambda x, r, w: kf.add_rms_norm(x, r, w, 1e-6),
+        baselines=_baselines(_eager_add_norm(rms=True), _liger_add_rms_norm),
+        peers={"liger": "liger_kernel"},
+    ),
+    "gelu_tanh": _activation_suite("gelu_tanh", lambda x: kf.gelu(x, approximate="tanh"),
+                                   lambda x: torch.nn.functional.gelu(x, approximate="tanh")),
+    "silu": _activation_suite("silu", lambda x: kf.silu(x), lambda x: torch.nn.functional.silu(x)),
+    "relu": _activation_suite("relu", lambda x: kf.relu(x), lambda x: torch.nn.functional.relu(x)),
+    "bias_silu": Suite(
+        op="bias_silu",
+        registry_op="activation",
+        shapes=ROW_OP_SHAPES,
+        quick_shapes=QUICK_SHAPES,
+        make_inputs=_bias_inputs,
+        cost=_elementwise_cost(reads=1, writes=1, grad_reads=2, grad_writes=1),
+        kernelforge=lambda x, b: kf.bias_silu(x, b),
+        baselines=_baselines(lambda x, b: torch.nn.functional.silu(x + b)),
+    ),
+    "geglu": Suite(
+        op="geglu",
+        registry_op="gated_activation",
+        shapes=ROW_OP_SHAPES,
+        quick_shapes=QUICK_SHAPES,
+        make_inputs=_gated_inputs,
+        cost=_elementwise_cost(reads=2, writes=1, grad_reads=3, grad_writes=2),
+        kernelforge=lambda gate, up: kf.geglu(gate, up, approximate="tanh"),  # the form Liger implements
+        baselines=_baselines(lambda gate, up: torch.nn.functional.gelu(gate, approximate="tanh") * up, _liger_geglu),
         peers={"liger": "liger_kernel"},
     ),
 }
