@@ -36,6 +36,9 @@ class Suite:
     # so the cost of dispatch shows as the difference.
     kernel_only: Callable[[], dict[str, Fn]] = dict
     registry_op: str = ""  # the op's name in kernelforge.backends, when it differs from `op`
+    # Options the registry's support predicates take besides the inputs (an activation's
+    # kind), so a backend is offered only for what it implements.
+    support_options: dict = field(default_factory=dict)
 
 
 def shape_label(shape: Shape) -> str:
@@ -167,7 +170,7 @@ def _gated_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> tup
     return torch.randn(shape, device=device, dtype=dtype), torch.randn(shape, device=device, dtype=dtype)
 
 
-def _activation_suite(op: str, ours: Fn, eager: Fn) -> "Suite":
+def _activation_suite(op: str, kind: str, ours: Fn, eager: Fn) -> "Suite":
     """An elementwise activation of one tensor: reads x and writes y forward; the backward
     reads dy and x (recomputing what it needs) and writes dx."""
     return Suite(
@@ -179,6 +182,7 @@ def _activation_suite(op: str, ours: Fn, eager: Fn) -> "Suite":
         cost=_elementwise_cost(reads=1, writes=1, grad_reads=2, grad_writes=1),
         kernelforge=ours,
         baselines=_baselines(eager),
+        support_options={"kind": kind},
     )
 
 
@@ -226,7 +230,7 @@ SUITES: dict[str, Suite] = {
         peers={"liger": "liger_kernel"},
         kernel_only=_norm_kernel_only(rms=True),
     ),
-    "gelu": _activation_suite("gelu", lambda x: kf.gelu(x), lambda x: torch.nn.functional.gelu(x)),
+    "gelu": _activation_suite("gelu", "gelu", lambda x: kf.gelu(x), lambda x: torch.nn.functional.gelu(x)),
     "bias_gelu": Suite(
         op="bias_gelu",
         registry_op="activation",
@@ -236,6 +240,7 @@ SUITES: dict[str, Suite] = {
         cost=_elementwise_cost(reads=1, writes=1, grad_reads=2, grad_writes=1),
         kernelforge=lambda x, b: kf.bias_gelu(x, b, approximate="tanh"),
         baselines=_baselines(lambda x, b: torch.nn.functional.gelu(x + b, approximate="tanh")),
+        support_options={"kind": "gelu_tanh"},
     ),
     "swiglu": Suite(
         op="swiglu",
@@ -270,10 +275,10 @@ SUITES: dict[str, Suite] = {
         baselines=_baselines(_eager_add_norm(rms=True), _liger_add_rms_norm),
         peers={"liger": "liger_kernel"},
     ),
-    "gelu_tanh": _activation_suite("gelu_tanh", lambda x: kf.gelu(x, approximate="tanh"),
+    "gelu_tanh": _activation_suite("gelu_tanh", "gelu_tanh", lambda x: kf.gelu(x, approximate="tanh"),
                                    lambda x: torch.nn.functional.gelu(x, approximate="tanh")),
-    "silu": _activation_suite("silu", lambda x: kf.silu(x), lambda x: torch.nn.functional.silu(x)),
-    "relu": _activation_suite("relu", lambda x: kf.relu(x), lambda x: torch.nn.functional.relu(x)),
+    "silu": _activation_suite("silu", "silu", lambda x: kf.silu(x), lambda x: torch.nn.functional.silu(x)),
+    "relu": _activation_suite("relu", "relu", lambda x: kf.relu(x), lambda x: torch.nn.functional.relu(x)),
     "bias_silu": Suite(
         op="bias_silu",
         registry_op="activation",
@@ -283,6 +288,7 @@ SUITES: dict[str, Suite] = {
         cost=_elementwise_cost(reads=1, writes=1, grad_reads=2, grad_writes=1),
         kernelforge=lambda x, b: kf.bias_silu(x, b),
         baselines=_baselines(lambda x, b: torch.nn.functional.silu(x + b)),
+        support_options={"kind": "silu"},
     ),
     "geglu": Suite(
         op="geglu",
@@ -310,7 +316,7 @@ def kernelforge_implementations(suite: Suite, sample: torch.Tensor, only: Option
             continue
         if only is None and name == "triton" and sample.device.type == "cpu":
             continue
-        if impl.supports(sample) is None:
+        if impl.supports(sample, **suite.support_options) is None:
             impls[f"kernelforge[{name}]"] = _forced(name, suite.kernelforge)
     return impls
 

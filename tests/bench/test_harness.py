@@ -199,3 +199,21 @@ def test_forced_backend_covers_the_backward():
     prepare_call(_forced("reference", Probe.apply), (torch.randn(3),), "fwd+bwd")()
     assert seen == ["reference"]
     assert backends._forced[0] is None
+
+
+def test_backends_are_offered_only_for_what_they_implement():
+    # The CUDA extension implements GELU only: a silu suite must not offer "kernelforge[cuda]".
+    from types import SimpleNamespace
+
+    import kernelforge.cuda as kcuda
+    import kernelforge.triton as ktriton
+    from kernelforge.bench.suites import SUITES, kernelforge_implementations
+
+    cuda_like = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16, numel=lambda: 1 << 20)
+    with pytest.MonkeyPatch.context() as mp:  # as if the toolchains were there
+        mp.setattr(kcuda, "why_unavailable", lambda *a: None)
+        mp.setattr(ktriton, "why_unavailable", lambda *a: None)
+        assert "kernelforge[cuda]" not in kernelforge_implementations(SUITES["silu"], cuda_like)
+        assert "kernelforge[cuda]" not in kernelforge_implementations(SUITES["bias_silu"], cuda_like)
+        assert "kernelforge[cuda]" in kernelforge_implementations(SUITES["gelu_tanh"], cuda_like)
+        assert "kernelforge[triton]" in kernelforge_implementations(SUITES["silu"], cuda_like)
