@@ -41,7 +41,7 @@ class Extension:
 # Every extension the package ships; `kernelforge build` prebuilds all of them.
 EXTENSIONS: dict[str, Extension] = {
     "softmax": Extension("softmax", ("softmax_cuda.cu", "softmax_binding.cpp")),
-    "norms": Extension("norms", ("norms_cuda.cu", "norms_binding.cpp")),
+    "norms": Extension("norms", ("norms_forward.cu", "norms_backward.cu", "norms_binding.cpp")),
     "activations": Extension("activations", ("activations_cuda.cu", "activations_binding.cpp")),
 }
 

@@ -1,5 +1,5 @@
-"""Layer norm / RMS norm through the CUDA extension "norms" (csrc/norms_cuda.cu +
-csrc/norms_binding.cpp): the row launchers of the backend contract, and the support
+"""Layer norm / RMS norm through the CUDA extension "norms" (csrc/norms_forward.cu,
+csrc/norms_backward.cu, csrc/norms_binding.cpp): the row launchers of the backend contract, and the support
 predicate the ops module asks before choosing this backend.
 
 The kernels run on the current CUDA stream of the input's device. Weight and bias may have
