@@ -11,95 +11,42 @@
 #include <tuple>
 
 #include "activations_cuda.h"
+#include "binding_common.h"
 
 namespace {
 
 namespace ka = kernelforge::cuda_activations;
+using namespace kernelforge::binding;
 
-using OptTensor = std::optional<at::Tensor>;
+constexpr const char* kOp = "bias_gelu";
 
-ka::DType kernel_dtype(const at::Tensor& t, const char* name) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return ka::DType::kFloat32;
-    case at::kHalf: return ka::DType::kFloat16;
-    case at::kBFloat16: return ka::DType::kBFloat16;
-    default: break;
-  }
-  TORCH_CHECK(false, "kernelforge bias_gelu: ", name, " must be float32, float16 or bfloat16, got ",
-              t.scalar_type());
-  return ka::DType::kFloat32;  // unreachable
-}
-
-// Numbers in messages go through std::to_string: some environments (mixed libstdc++ builds)
-// crash when an extension streams integers into an ostream.
-std::string list(at::IntArrayRef values) {
-  std::string s = "[";
-  for (size_t i = 0; i < values.size(); ++i) s += (i ? ", " : "") + std::to_string(values[i]);
-  return s + "]";
-}
-
-// Checks a 2-D CUDA row-matrix argument shaped like x; returns its row stride in elements.
 int64_t check_rows(const at::Tensor& t, const char* name, const at::Tensor& x) {
-  TORCH_CHECK(t.is_cuda(), "kernelforge bias_gelu: ", name, " must be a CUDA tensor, got device ",
-              t.device().str());
-  TORCH_CHECK(t.dim() == 2, "kernelforge bias_gelu: ", name, " must be 2-D (rows, cols), got ",
-              std::to_string(t.dim()), "-D with shape ", list(t.sizes()));
-  TORCH_CHECK(t.sizes() == x.sizes(), "kernelforge bias_gelu: ", name, " must have the shape of x, ",
-              list(x.sizes()), ", got ", list(t.sizes()));
-  TORCH_CHECK(t.scalar_type() == x.scalar_type(), "kernelforge bias_gelu: ", name, " must have dtype ",
-              x.scalar_type(), " like x, got ", t.scalar_type());
-  TORCH_CHECK(t.device() == x.device(), "kernelforge bias_gelu: ", name, " must be on ", x.device().str(),
-              " like x, got ", t.device().str());
-  TORCH_CHECK(t.size(1) <= 1 || t.stride(1) == 1, "kernelforge bias_gelu: ", name,
-              " must have unit column stride (stride(1) == 1), got strides ", list(t.strides()));
-  TORCH_CHECK(t.size(1) <= ka::kMaxCols, "kernelforge bias_gelu: ", name, " rows must have at most ",
-              std::to_string(ka::kMaxCols), " columns, got ", std::to_string(t.size(1)));
-  // Inputs are only read, so rows may overlap (stride 0 = broadcast row). The stride of a
-  // single row is meaningless; report the dense one so it does not defeat vectorization.
-  TORCH_CHECK(t.stride(0) >= 0, "kernelforge bias_gelu: ", name, " must have a non-negative row stride, got ",
-              std::to_string(t.stride(0)));
-  return t.size(0) <= 1 ? t.size(1) : t.stride(0);
-}
-
-void check_bias(const OptTensor& bias, const at::Tensor& x) {
-  if (!bias.has_value()) return;
-  const at::Tensor& b = *bias;
-  TORCH_CHECK(b.device() == x.device(), "kernelforge bias_gelu: bias must be on ", x.device().str(),
-              " like x, got ", b.device().str());
-  TORCH_CHECK(b.dim() == 1 && b.size(0) == x.size(1), "kernelforge bias_gelu: bias must have shape [",
-              std::to_string(x.size(1)), "] (one value per column), got ", list(b.sizes()));
-  TORCH_CHECK(b.is_contiguous(), "kernelforge bias_gelu: bias must be contiguous, got strides ",
-              list(b.strides()));
-  kernel_dtype(b, "bias");
-}
-
-void check_launch(cudaError_t err) {
-  TORCH_CHECK(err == cudaSuccess, "kernelforge bias_gelu CUDA kernel failed: ", cudaGetErrorString(err));
+  return check_rows_like(t, kOp, name, x, "x", ka::kMaxCols);
 }
 
 ka::BiasGeluArgs common_args(const at::Tensor& x, int64_t x_row_stride, const OptTensor& bias, bool tanh_form) {
   ka::BiasGeluArgs a;
   a.x = x.data_ptr();
   a.x_row_stride = x_row_stride;
-  a.bias = bias.has_value() ? bias->data_ptr() : nullptr;
-  a.bias_dtype = bias.has_value() ? kernel_dtype(*bias, "bias") : ka::DType::kFloat32;
+  a.bias = ptr_or_null(bias);
+  a.bias_dtype = dtype_or_f32(bias, kOp, "bias");
   a.rows = x.size(0);
   a.cols = x.size(1);
-  a.dtype = kernel_dtype(x, "x");
+  a.dtype = kernel_dtype(x, kOp, "x");
   a.tanh_form = tanh_form;
   return a;
 }
 
 at::Tensor forward(const at::Tensor& x, const OptTensor& bias, bool tanh_form) {
   const int64_t x_row_stride = check_rows(x, "x", x);
-  kernel_dtype(x, "x");
-  check_bias(bias, x);
+  kernel_dtype(x, kOp, "x");
+  check_column_vector(bias, kOp, "bias", x);
   const at::cuda::OptionalCUDAGuard guard(device_of(x));
   at::Tensor y = at::empty({x.size(0), x.size(1)}, x.options());
   if (y.numel() == 0) return y;
   ka::BiasGeluArgs a = common_args(x, x_row_stride, bias, tanh_form);
   a.out = y.data_ptr();
-  check_launch(ka::bias_gelu_forward(a, at::cuda::getCurrentCUDAStream()));
+  check_launch(ka::bias_gelu_forward(a, at::cuda::getCurrentCUDAStream()), kOp);
   return y;
 }
 
@@ -107,9 +54,9 @@ at::Tensor forward(const at::Tensor& x, const OptTensor& bias, bool tanh_form) {
 std::tuple<at::Tensor, OptTensor> backward(const at::Tensor& grad_y, const at::Tensor& x, const OptTensor& bias,
                                            bool tanh_form, bool need_bias_grad) {
   const int64_t x_row_stride = check_rows(x, "x", x);
-  kernel_dtype(x, "x");
+  kernel_dtype(x, kOp, "x");
   const int64_t gy_row_stride = check_rows(grad_y, "grad_y", x);
-  check_bias(bias, x);
+  check_column_vector(bias, kOp, "bias", x);
   const at::cuda::OptionalCUDAGuard guard(device_of(x));
   at::Tensor grad_x = at::empty({x.size(0), x.size(1)}, x.options());
   OptTensor grad_bias;
@@ -129,7 +76,7 @@ std::tuple<at::Tensor, OptTensor> backward(const at::Tensor& grad_y, const at::T
   at::Tensor workspace = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
   a.workspace = ws_bytes ? workspace.data_ptr() : nullptr;
   a.workspace_bytes = ws_bytes;
-  check_launch(ka::bias_gelu_backward(a, at::cuda::getCurrentCUDAStream()));
+  check_launch(ka::bias_gelu_backward(a, at::cuda::getCurrentCUDAStream()), kOp);
   return {grad_x, grad_bias};
 }
 

@@ -1,5 +1,6 @@
-// Thin torch binding for the layer-norm / RMS-norm kernels in norms_cuda.cu: checks,
-// allocation, stream. The row launchers of kernelforge/cuda/norms.py call it.
+// Thin torch binding for the layer-norm / RMS-norm kernels in norms_forward.cu and
+// norms_backward.cu: checks, allocation, stream. The row launchers of
+// kernelforge/cuda/norms.py call it.
 #include <torch/extension.h>
 
 #include <ATen/cuda/CUDAContext.h>
@@ -11,66 +12,18 @@
 #include <string>
 #include <tuple>
 
+#include "binding_common.h"
 #include "norms_cuda.h"
 
 namespace {
 
 namespace kn = kernelforge::cuda_norms;
+using namespace kernelforge::binding;
 
-using OptTensor = std::optional<at::Tensor>;
+constexpr const char* kOp = "norms";
 
-kn::DType kernel_dtype(const at::Tensor& t, const char* name) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return kn::DType::kFloat32;
-    case at::kHalf: return kn::DType::kFloat16;
-    case at::kBFloat16: return kn::DType::kBFloat16;
-    default: break;
-  }
-  TORCH_CHECK(false, "kernelforge norms: ", name, " must be float32, float16 or bfloat16, got ", t.scalar_type());
-  return kn::DType::kFloat32;  // unreachable
-}
-
-// Numbers in messages go through std::to_string: some environments (mixed libstdc++ builds)
-// crash when an extension streams integers into an ostream.
-std::string list(at::IntArrayRef values) {
-  std::string s = "[";
-  for (size_t i = 0; i < values.size(); ++i) s += (i ? ", " : "") + std::to_string(values[i]);
-  return s + "]";
-}
-
-// Checks a 2-D CUDA row-matrix argument on x's device; returns its row stride in elements.
-int64_t check_rows(const at::Tensor& t, const char* name, const at::Tensor& x) {
-  TORCH_CHECK(t.is_cuda(), "kernelforge norms: ", name, " must be a CUDA tensor, got device ", t.device().str());
-  TORCH_CHECK(t.dim() == 2, "kernelforge norms: ", name, " must be 2-D (rows, cols), got ", std::to_string(t.dim()),
-              "-D with shape ", list(t.sizes()));
-  TORCH_CHECK(t.sizes() == x.sizes(), "kernelforge norms: ", name, " must have the shape of the rows, ",
-              list(x.sizes()), ", got ", list(t.sizes()));
-  TORCH_CHECK(t.scalar_type() == x.scalar_type(), "kernelforge norms: ", name, " must have dtype ", x.scalar_type(),
-              " like the rows, got ", t.scalar_type());
-  TORCH_CHECK(t.device() == x.device(), "kernelforge norms: ", name, " must be on ", x.device().str(),
-              " like the rows, got ", t.device().str());
-  TORCH_CHECK(t.size(1) <= 1 || t.stride(1) == 1, "kernelforge norms: ", name,
-              " must have unit column stride (stride(1) == 1), got strides ", list(t.strides()));
-  TORCH_CHECK(t.size(1) <= kn::kMaxCols, "kernelforge norms: ", name, " rows must have at most ",
-              std::to_string(kn::kMaxCols), " columns, got ", std::to_string(t.size(1)));
-  // Inputs are only read, so rows may overlap (stride 0 = broadcast row). The stride of a
-  // single row is meaningless; report the dense one so it does not defeat vectorization.
-  TORCH_CHECK(t.stride(0) >= 0, "kernelforge norms: ", name, " must have a non-negative row stride, got ",
-              std::to_string(t.stride(0)));
-  return t.size(0) <= 1 ? t.size(1) : t.stride(0);
-}
-
-// Checks an optional (cols,) parameter (weight / bias): any float dtype, dense, x's device.
-void check_param(const OptTensor& p, const char* name, const at::Tensor& x) {
-  if (!p.has_value()) return;
-  const at::Tensor& t = *p;
-  TORCH_CHECK(t.device() == x.device(), "kernelforge norms: ", name, " must be on ", x.device().str(),
-              " like the rows, got ", t.device().str());
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == x.size(1), "kernelforge norms: ", name, " must have shape [",
-              std::to_string(x.size(1)), "] (one value per column), got ", list(t.sizes()));
-  TORCH_CHECK(t.is_contiguous(), "kernelforge norms: ", name, " must be contiguous, got strides ",
-              list(t.strides()));
-  kernel_dtype(t, name);
+int64_t check_rows(const at::Tensor& t, const char* name, const at::Tensor& rows) {
+  return check_rows_like(t, kOp, name, rows, "the rows", kn::kMaxCols);
 }
 
 // Checks a (rows,) float32 statistics vector (mean / rstd from the forward).
@@ -84,24 +37,15 @@ void check_stats(const at::Tensor& t, const char* name, const at::Tensor& x) {
               list(t.strides()));
 }
 
-const void* ptr_or_null(const OptTensor& t) { return t.has_value() ? t->data_ptr() : nullptr; }
-kn::DType dtype_or_f32(const OptTensor& t, const char* name) {
-  return t.has_value() ? kernel_dtype(*t, name) : kn::DType::kFloat32;
-}
-
-void check_launch(cudaError_t err) {
-  TORCH_CHECK(err == cudaSuccess, "kernelforge norms CUDA kernel failed: ", cudaGetErrorString(err));
-}
-
 // (y, residual_out or None, mean or None, rstd).
 std::tuple<at::Tensor, OptTensor, OptTensor, at::Tensor> forward(const at::Tensor& x, const OptTensor& residual,
                                                                  const OptTensor& weight, const OptTensor& bias,
                                                                  double eps, bool rms, double offset) {
   const int64_t x_row_stride = check_rows(x, "x", x);
-  const kn::DType dtype = kernel_dtype(x, "x");
+  const kernelforge::DType dtype = kernel_dtype(x, kOp, "x");
   const int64_t res_row_stride = residual.has_value() ? check_rows(*residual, "residual", x) : 0;
-  check_param(weight, "weight", x);
-  check_param(bias, "bias", x);
+  check_column_vector(weight, kOp, "weight", x);
+  check_column_vector(bias, kOp, "bias", x);
   const at::cuda::OptionalCUDAGuard guard(device_of(x));
   const int64_t rows = x.size(0), cols = x.size(1);
   at::Tensor y = at::empty({rows, cols}, x.options());
@@ -123,9 +67,9 @@ std::tuple<at::Tensor, OptTensor, OptTensor, at::Tensor> forward(const at::Tenso
   a.residual = ptr_or_null(residual);
   a.residual_row_stride = res_row_stride;
   a.weight = ptr_or_null(weight);
-  a.weight_dtype = dtype_or_f32(weight, "weight");
+  a.weight_dtype = dtype_or_f32(weight, kOp, "weight");
   a.bias = ptr_or_null(bias);
-  a.bias_dtype = dtype_or_f32(bias, "bias");
+  a.bias_dtype = dtype_or_f32(bias, kOp, "bias");
   a.y = y.data_ptr();
   a.residual_out = residual_out.has_value() ? residual_out->data_ptr() : nullptr;
   a.mean = mean.has_value() ? mean->data_ptr<float>() : nullptr;
@@ -136,7 +80,7 @@ std::tuple<at::Tensor, OptTensor, OptTensor, at::Tensor> forward(const at::Tenso
   a.eps = static_cast<float>(eps);
   a.offset = static_cast<float>(offset);
   a.rms = rms;
-  check_launch(kn::norm_forward(a, at::cuda::getCurrentCUDAStream()));
+  check_launch(kn::norm_forward(a, at::cuda::getCurrentCUDAStream()), kOp);
   return {y, residual_out, mean, rstd};
 }
 
@@ -148,10 +92,10 @@ std::tuple<at::Tensor, OptTensor, OptTensor> backward(const at::Tensor& grad_y, 
                                                       const at::Tensor& rstd, bool rms, double offset,
                                                       bool need_weight_grad) {
   const int64_t h_row_stride = check_rows(h, "h", h);
-  const kn::DType dtype = kernel_dtype(h, "h");
+  const kernelforge::DType dtype = kernel_dtype(h, kOp, "h");
   const int64_t gy_row_stride = check_rows(grad_y, "grad_y", h);
   const int64_t gres_row_stride = grad_residual.has_value() ? check_rows(*grad_residual, "grad_residual", h) : 0;
-  check_param(weight, "weight", h);
+  check_column_vector(weight, kOp, "weight", h);
   check_stats(rstd, "rstd", h);
   TORCH_CHECK(rms || mean.has_value(), "kernelforge norms: layer norm backward needs the forward's mean");
   if (!rms) check_stats(*mean, "mean", h);
@@ -177,14 +121,14 @@ std::tuple<at::Tensor, OptTensor, OptTensor> backward(const at::Tensor& grad_y, 
   a.h = h.data_ptr();
   a.h_row_stride = h_row_stride;
   a.weight = ptr_or_null(weight);
-  a.weight_dtype = dtype_or_f32(weight, "weight");
+  a.weight_dtype = dtype_or_f32(weight, kOp, "weight");
   a.mean = rms ? nullptr : mean->data_ptr<float>();
   a.rstd = rstd.data_ptr<float>();
   a.grad_h = grad_h.data_ptr();
   a.grad_weight = grad_weight.has_value() ? grad_weight->data_ptr() : nullptr;
   a.grad_weight_dtype = a.weight_dtype;
   a.grad_bias = grad_bias.has_value() ? grad_bias->data_ptr() : nullptr;
-  a.grad_bias_dtype = kn::DType::kFloat32;
+  a.grad_bias_dtype = kernelforge::DType::kFloat32;
   a.workspace = ws_bytes ? workspace.data_ptr() : nullptr;
   a.workspace_bytes = ws_bytes;
   a.rows = rows;
@@ -192,7 +136,7 @@ std::tuple<at::Tensor, OptTensor, OptTensor> backward(const at::Tensor& grad_y, 
   a.dtype = dtype;
   a.offset = static_cast<float>(offset);
   a.rms = rms;
-  check_launch(kn::norm_backward(a, at::cuda::getCurrentCUDAStream()));
+  check_launch(kn::norm_backward(a, at::cuda::getCurrentCUDAStream()), kOp);
   return {grad_h, grad_weight, grad_bias};
 }
 

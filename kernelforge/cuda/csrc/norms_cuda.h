@@ -27,10 +27,10 @@
 
 #include <cuda_runtime.h>
 
+#include "dtype.h"
+
 namespace kernelforge {
 namespace cuda_norms {
-
-enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 constexpr int64_t kMaxCols = int64_t{1} << 30;
 

@@ -18,10 +18,10 @@
 
 #include <cuda_runtime.h>
 
+#include "dtype.h"
+
 namespace kernelforge {
 namespace cuda_softmax {
-
-enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 // y[r, c] = softmax (or log_softmax when `log`) of x[r, :].
 cudaError_t softmax_forward(const void* x, int64_t x_row_stride, void* y, int64_t rows, int64_t cols,
