@@ -170,25 +170,48 @@ def _gated_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> tup
     return torch.randn(shape, device=device, dtype=dtype), torch.randn(shape, device=device, dtype=dtype)
 
 
-def _activation_suite(op: str, kind: str, ours: Fn, eager: Fn) -> "Suite":
-    """An elementwise activation of one tensor: reads x and writes y forward; the backward
-    reads dy and x (recomputing what it needs) and writes dx."""
-    return Suite(
-        op=op,
-        registry_op="activation",
-        shapes=ROW_OP_SHAPES,
-        quick_shapes=QUICK_SHAPES,
-        make_inputs=lambda shape, dtype, device: (torch.randn(shape, device=device, dtype=dtype),),
-        cost=_elementwise_cost(reads=1, writes=1, grad_reads=2, grad_writes=1),
-        kernelforge=ours,
-        baselines=_baselines(eager),
-        support_options={"kind": kind},
-    )
-
-
 # Norms and activations: TARGETS.md's large shapes, then the latency shapes.
 ROW_OP_SHAPES = [(16384, 4096), (8192, 16384), (4096, 65536), (1, 4096), (8, 4096), (32, 4096)]
 QUICK_SHAPES = [(256, 4096), (8, 4096)]
+LIGER = {"liger": "liger_kernel"}
+
+
+def _row_op_suite(op: str, registry_op: str, make_inputs, cost, ours: Fn, eager: Fn,
+                  liger: Optional[Callable[[], Fn]] = None, **extra) -> Suite:
+    """A norm or activation on the row-op shape grid against eager, torch.compile and, when
+    `liger` builds its version, Liger-Kernel."""
+    return Suite(op=op, registry_op=registry_op, shapes=ROW_OP_SHAPES, quick_shapes=QUICK_SHAPES,
+                 make_inputs=make_inputs, cost=cost, kernelforge=ours, baselines=_baselines(eager, liger),
+                 peers=LIGER if liger is not None else {}, **extra)
+
+
+def _norm_suite(op: str, rms: bool, residual: bool, ours: Fn, eager: Fn, liger=None) -> Suite:
+    """layer / RMS norm, with weight (and bias for layer norm); the add_ forms also take and
+    return the residual."""
+    bias = not rms
+    if residual:
+        make_inputs = lambda shape, dtype, device: _add_norm_inputs(shape, dtype, device, bias)  # noqa: E731
+        return _row_op_suite(op, "norms", make_inputs, _add_norm_cost, ours, eager, liger)
+    make_inputs = lambda shape, dtype, device: _norm_inputs(shape, dtype, device, bias)  # noqa: E731
+    return _row_op_suite(op, "norms", make_inputs, _norm_cost, ours, eager, liger,
+                         kernel_only=_norm_kernel_only(rms))
+
+
+def _activation_suite(op: str, kind: str, ours: Fn, eager: Fn, bias: bool = False) -> Suite:
+    """An elementwise activation (of x + bias with `bias`): reads x and writes y forward; the
+    backward reads dy and x (recomputing what it needs) and writes dx."""
+    make_inputs = _bias_inputs if bias else (
+        lambda shape, dtype, device: (torch.randn(shape, device=device, dtype=dtype),))
+    cost = _elementwise_cost(reads=1, writes=1, grad_reads=2, grad_writes=1)
+    return _row_op_suite(op, "activation", make_inputs, cost, ours, eager, support_options={"kind": kind})
+
+
+def _gated_suite(op: str, ours: Fn, eager: Fn, liger: Callable[[], Fn]) -> Suite:
+    """act(gate) * up: forward reads gate and up and writes y; backward reads dy, gate and up
+    and writes both gradients."""
+    return _row_op_suite(op, "gated_activation", _gated_inputs,
+                         _elementwise_cost(reads=2, writes=1, grad_reads=3, grad_writes=2), ours, eager, liger)
+
 
 SUITES: dict[str, Suite] = {
     "softmax": Suite(
@@ -202,105 +225,34 @@ SUITES: dict[str, Suite] = {
             (2 if direction == "fwd" else 5) * torch.Size(shape).numel() * dtype.itemsize),
         kernelforge=lambda x: kf.softmax(x, -1),
         baselines=_baselines(lambda x: torch.softmax(x, -1), _liger_softmax),
-        peers={"liger": "liger_kernel"},
+        peers=LIGER,
         kernel_only=_softmax_kernel_only,
     ),
-    "layer_norm": Suite(
-        op="layer_norm",
-        registry_op="norms",
-        shapes=ROW_OP_SHAPES,
-        quick_shapes=QUICK_SHAPES,
-        make_inputs=lambda shape, dtype, device: _norm_inputs(shape, dtype, device, bias=True),
-        cost=_norm_cost,
-        kernelforge=lambda x, w, b: kf.layer_norm(x, w, b, 1e-5),
-        baselines=_baselines(lambda x, w, b: torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b, 1e-5),
-                             _liger_layer_norm),
-        peers={"liger": "liger_kernel"},
-        kernel_only=_norm_kernel_only(rms=False),
-    ),
-    "rms_norm": Suite(
-        op="rms_norm",
-        registry_op="norms",
-        shapes=ROW_OP_SHAPES,
-        quick_shapes=QUICK_SHAPES,
-        make_inputs=lambda shape, dtype, device: _norm_inputs(shape, dtype, device, bias=False),
-        cost=_norm_cost,
-        kernelforge=lambda x, w: kf.rms_norm(x, w, 1e-6),
-        baselines=_baselines(lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-6), _liger_rms_norm),
-        peers={"liger": "liger_kernel"},
-        kernel_only=_norm_kernel_only(rms=True),
-    ),
+    "layer_norm": _norm_suite(
+        "layer_norm", rms=False, residual=False, ours=lambda x, w, b: kf.layer_norm(x, w, b, 1e-5),
+        eager=lambda x, w, b: torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b, 1e-5), liger=_liger_layer_norm),
+    "rms_norm": _norm_suite(
+        "rms_norm", rms=True, residual=False, ours=lambda x, w: kf.rms_norm(x, w, 1e-6),
+        eager=lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-6), liger=_liger_rms_norm),
     "gelu": _activation_suite("gelu", "gelu", lambda x: kf.gelu(x), lambda x: torch.nn.functional.gelu(x)),
-    "bias_gelu": Suite(
-        op="bias_gelu",
-        registry_op="activation",
-        shapes=ROW_OP_SHAPES,
-        quick_shapes=QUICK_SHAPES,
-        make_inputs=_bias_inputs,
-        cost=_elementwise_cost(reads=1, writes=1, grad_reads=2, grad_writes=1),
-        kernelforge=lambda x, b: kf.bias_gelu(x, b, approximate="tanh"),
-        baselines=_baselines(lambda x, b: torch.nn.functional.gelu(x + b, approximate="tanh")),
-        support_options={"kind": "gelu_tanh"},
-    ),
-    "swiglu": Suite(
-        op="swiglu",
-        registry_op="gated_activation",
-        shapes=ROW_OP_SHAPES,
-        quick_shapes=QUICK_SHAPES,
-        make_inputs=_gated_inputs,
-        # forward reads gate and up, writes y; backward reads dy, gate, up, writes both grads
-        cost=_elementwise_cost(reads=2, writes=1, grad_reads=3, grad_writes=2),
-        kernelforge=lambda gate, up: kf.swiglu(gate, up),
-        baselines=_baselines(lambda gate, up: torch.nn.functional.silu(gate) * up, _liger_swiglu),
-        peers={"liger": "liger_kernel"},
-    ),
-    "add_layer_norm": Suite(
-        op="add_layer_norm",
-        registry_op="norms",
-        shapes=ROW_OP_SHAPES,
-        quick_shapes=QUICK_SHAPES,
-        make_inputs=lambda shape, dtype, device: _add_norm_inputs(shape, dtype, device, bias=True),
-        cost=_add_norm_cost,
-        kernelforge=lambda x, r, w, b: kf.add_layer_norm(x, r, w, b, 1e-5),
-        baselines=_baselines(_eager_add_norm(rms=False)),
-    ),
-    "add_rms_norm": Suite(
-        op="add_rms_norm",
-        registry_op="norms",
-        shapes=ROW_OP_SHAPES,
-        quick_shapes=QUICK_SHAPES,
-        make_inputs=lambda shape, dtype, device: _add_norm_inputs(shape, dtype, device, bias=False),
-        cost=_add_norm_cost,
-        kernelforge=lambda x, r, w: kf.add_rms_norm(x, r, w, 1e-6),
-        baselines=_baselines(_eager_add_norm(rms=True), _liger_add_rms_norm),
-        peers={"liger": "liger_kernel"},
-    ),
+    "bias_gelu": _activation_suite("bias_gelu", "gelu_tanh", lambda x, b: kf.bias_gelu(x, b, approximate="tanh"),
+                                   lambda x, b: torch.nn.functional.gelu(x + b, approximate="tanh"), bias=True),
+    "swiglu": _gated_suite("swiglu", lambda gate, up: kf.swiglu(gate, up),
+                           lambda gate, up: torch.nn.functional.silu(gate) * up, _liger_swiglu),
+    "add_layer_norm": _norm_suite(
+        "add_layer_norm", rms=False, residual=True, ours=lambda x, r, w, b: kf.add_layer_norm(x, r, w, b, 1e-5),
+        eager=_eager_add_norm(rms=False)),
+    "add_rms_norm": _norm_suite(
+        "add_rms_norm", rms=True, residual=True, ours=lambda x, r, w: kf.add_rms_norm(x, r, w, 1e-6),
+        eager=_eager_add_norm(rms=True), liger=_liger_add_rms_norm),
     "gelu_tanh": _activation_suite("gelu_tanh", "gelu_tanh", lambda x: kf.gelu(x, approximate="tanh"),
                                    lambda x: torch.nn.functional.gelu(x, approximate="tanh")),
     "silu": _activation_suite("silu", "silu", lambda x: kf.silu(x), lambda x: torch.nn.functional.silu(x)),
     "relu": _activation_suite("relu", "relu", lambda x: kf.relu(x), lambda x: torch.nn.functional.relu(x)),
-    "bias_silu": Suite(
-        op="bias_silu",
-        registry_op="activation",
-        shapes=ROW_OP_SHAPES,
-        quick_shapes=QUICK_SHAPES,
-        make_inputs=_bias_inputs,
-        cost=_elementwise_cost(reads=1, writes=1, grad_reads=2, grad_writes=1),
-        kernelforge=lambda x, b: kf.bias_silu(x, b),
-        baselines=_baselines(lambda x, b: torch.nn.functional.silu(x + b)),
-        support_options={"kind": "silu"},
-    ),
-    "geglu": Suite(
-        op="geglu",
-        registry_op="gated_activation",
-        shapes=ROW_OP_SHAPES,
-        quick_shapes=QUICK_SHAPES,
-        make_inputs=_gated_inputs,
-        cost=_elementwise_cost(reads=2, writes=1, grad_reads=3, grad_writes=2),
-        kernelforge=lambda gate, up: kf.geglu(gate, up, approximate="tanh"),  # the form Liger implements
-        baselines=_baselines(lambda gate, up: torch.nn.functional.gelu(gate, approximate="tanh") * up, _liger_geglu),
-        peers={"liger": "liger_kernel"},
-    ),
+    "bias_silu": _activation_suite("bias_silu", "silu", lambda x, b: kf.bias_silu(x, b),
+                                   lambda x, b: torch.nn.functional.silu(x + b), bias=True),
+    "geglu": _gated_suite("geglu", lambda gate, up: kf.geglu(gate, up, approximate="tanh"),  # Liger's form
+                          lambda gate, up: torch.nn.functional.gelu(gate, approximate="tanh") * up, _liger_geglu),
 }
 
 
