@@ -105,6 +105,44 @@ __device__ __forceinline__ int valid_packs(int first, int stride, int packs) {
   return valid;
 }
 
+// The raw dy and h packs first + u * stride, u < count (count <= COUNT) of a row.
+template <typename T, int VEC, int COUNT>
+__device__ __forceinline__ void load_row_packs(const BwdArgs<T>& a, int64_t row, int first, int stride, int count,
+                                               Pack<T, VEC> (&gyp)[COUNT], Pack<T, VEC> (&hpk)[COUNT]) {
+  using P = Pack<T, VEC>;
+#pragma unroll
+  for (int u = 0; u < COUNT; ++u) {
+    if (u < count) {
+      gyp[u] = reinterpret_cast<const P*>(a.gy + row * a.gy_stride)[first + u * stride];
+      hpk[u] = reinterpret_cast<const P*>(a.h + row * a.h_stride)[first + u * stride];
+    }
+  }
+}
+
+// sum(g) and sum(g * xhat) over the first `count` packs, g = dy * w. Only the raw packs
+// stay live across the callers' reductions (half the registers of floats for 16-bit
+// data); each pass unpacks them again.
+template <typename T, int VEC, int COUNT>
+__device__ __forceinline__ Sum2 row_dots(const Pack<T, VEC> (&gyp)[COUNT], const Pack<T, VEC> (&hpk)[COUNT],
+                                         const float (&w)[COUNT * VEC], int count, float mean, float rstd) {
+  Sum2 s = Sum2::identity();
+#pragma unroll
+  for (int u = 0; u < COUNT; ++u) {
+    if (u < count) {
+      float dy[VEC], xh[VEC];
+      unpack(gyp[u], dy);
+      unpack(hpk[u], xh);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float g = dy[j] * w[u * VEC + j];
+        s.a += g;
+        s.b += g * ((xh[j] - mean) * rstd);
+      }
+    }
+  }
+  return s;
+}
+
 // dh for one pack of a row, given dy and xhat of the pack, and the partial accumulation.
 template <typename T, int VEC>
 __device__ __forceinline__ void store_dh(const BwdArgs<T>& a, int64_t row, int p, const float* dy, const float* xh,
@@ -149,32 +187,11 @@ __global__ void __launch_bounds__(GROUP > 0 ? kBwdWarpThreads : kBwdMaxBlockThre
   for (int64_t base = r0; base < r1; base += groups) {  // uniform over the block
     const int64_t row = base + group;
     const bool active = row < r1;
+    const int count = active ? valid : 0;
     P gyp[PACKS], hpk[PACKS];
-#pragma unroll
-    for (int u = 0; u < PACKS; ++u) {
-      if (active && u < valid) {
-        gyp[u] = reinterpret_cast<const P*>(a.gy + row * a.gy_stride)[lane + u * lanes];
-        hpk[u] = reinterpret_cast<const P*>(a.h + row * a.h_stride)[lane + u * lanes];
-      }
-    }
+    load_row_packs<T, VEC, PACKS>(a, row, lane, lanes, count, gyp, hpk);
     const float rstd = active ? a.rstd[row] : 0.f, mean = active && a.mean ? a.mean[row] : 0.f;
-    // Only the raw packs stay live across the reduction (half the registers of floats for
-    // 16-bit data); each pass unpacks them again.
-    Sum2 s = Sum2::identity();
-#pragma unroll
-    for (int u = 0; u < PACKS; ++u) {
-      if (active && u < valid) {
-        float dy[VEC], xh[VEC];
-        unpack(gyp[u], dy);
-        unpack(hpk[u], xh);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          const float g = dy[j] * w[u * VEC + j];
-          s.a += g;
-          s.b += g * ((xh[j] - mean) * rstd);
-        }
-      }
-    }
+    Sum2 s = row_dots<T, VEC, PACKS>(gyp, hpk, w, count, mean, rstd);
     if constexpr (GROUP > 0) {
       s = s.template allreduce<GROUP>();
     } else {
@@ -237,30 +254,10 @@ __global__ void __launch_bounds__(kLongThreads, 1) norm_bwd_row_sums_kernel(cons
     for (int first = threadIdx.x; first < packs; first += step) {
       const int valid = valid_packs<UNROLL>(first, stride, packs);
       P gyp[UNROLL], hpk[UNROLL];
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        if (u < valid) {
-          gyp[u] = reinterpret_cast<const P*>(a.gy + row * a.gy_stride)[first + u * stride];
-          hpk[u] = reinterpret_cast<const P*>(a.h + row * a.h_stride)[first + u * stride];
-        }
-      }
+      load_row_packs<T, VEC, UNROLL>(a, row, first, stride, valid, gyp, hpk);
       float w[N];
       load_weight<T, VEC, UNROLL>(a, first, stride, valid, w);
-      Sum2 chunk = Sum2::identity();
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        if (u < valid) {
-          float dy[VEC], xh[VEC];
-          unpack(gyp[u], dy);
-          unpack(hpk[u], xh);
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) {
-            const float g = dy[j] * w[u * VEC + j];
-            chunk.a += g;
-            chunk.b += g * ((xh[j] - mean) * rstd);
-          }
-        }
-      }
+      const Sum2 chunk = row_dots<T, VEC, UNROLL>(gyp, hpk, w, valid, mean, rstd);
       s.a += chunk.a;
       s.b += chunk.b;
     }
