@@ -9,12 +9,17 @@
 """
 from kernelforge import nn, ops  # noqa: F401  (ops registers the torch.library operators)
 from kernelforge.backends import BackendUnsupportedError, explain, use_backend
+from kernelforge.block_mask import BlockMask, dilated_block_mask, local_global_block_mask, sliding_window_block_mask
 from kernelforge.ops.activations import bias_gelu, bias_silu, gelu, relu, silu
+from kernelforge.ops.attention import flash_attention
 from kernelforge.ops.gated_activations import geglu, swiglu
 from kernelforge.ops.norms import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from kernelforge.ops.softmax import log_softmax, softmax
+from kernelforge.reference.attention import cpu_fused_attention, optimized_cpu_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["BackendUnsupportedError", "add_layer_norm", "add_rms_norm", "bias_gelu", "bias_silu", "explain", "geglu",
-           "gelu", "layer_norm", "log_softmax", "nn", "relu", "rms_norm", "silu", "softmax", "swiglu", "use_backend"]
+__all__ = ["BackendUnsupportedError", "BlockMask", "add_layer_norm", "add_rms_norm", "bias_gelu", "bias_silu",
+           "cpu_fused_attention", "dilated_block_mask", "explain", "flash_attention", "geglu", "gelu", "layer_norm",
+           "local_global_block_mask", "log_softmax", "nn", "optimized_cpu_attention", "relu", "rms_norm", "silu",
+           "sliding_window_block_mask", "softmax", "swiglu", "use_backend"]

@@ -1,0 +1,181 @@
+"""Attention in plain PyTorch, chunked over keys: the spec, the CPU path and the oracle's twin.
+
+    out[b, h, i] = sum_j softmax_j(scale * q[b,h,i] . k[b,g(h),j] + bias[b,h,i,j]) v[b,g(h),j]
+
+over the keys j visible to query i, where g(h) = h // (H // Hkv) (grouped-query attention)
+and visibility is the AND of:
+  causal        j <= i + (Sk - Sq)              (aligned to the bottom right, as FlashAttention-2)
+  window (l, r) i + off - l <= j <= i + off + r  (off = Sk - Sq; None or -1 = unbounded side)
+  attn_mask     bool: True = visible; float: added to the scores (-inf hides the key)
+  block_mask    a kernelforge.BlockMask
+A row with no visible key gives zeros (not NaN) and log-sum-exp -inf; its gradient is zero.
+
+Memory: the keys are walked in chunks with an online softmax (running max and rescaled
+sum), so the scores held at any time are Sq x chunk per (batch, head), never Sq x Sk: a
+16k-token attention on the CPU does not allocate a 16k x 16k matrix. Accumulates in float32
+(float64 for float64 inputs) and rounds once on output.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+DEFAULT_CHUNK = 256  # keys per step: large enough for BLAS efficiency, small enough for cache
+
+
+@dataclass(frozen=True)
+class Visibility:
+    """Which keys each query sees, in the form every backend takes: a band of key offsets
+    relative to the query's aligned position i + off (left and right reach, None = unbounded),
+    plus the optional masks."""
+
+    left: Optional[int]
+    right: Optional[int]
+    attn_mask: Optional[torch.Tensor] = None
+    block_mask: Optional[object] = None
+
+    @staticmethod
+    def of(causal: bool, window, attn_mask=None, block_mask=None) -> "Visibility":
+        left = right = None
+        if window is not None:
+            left, right = (None if w is None or w < 0 else int(w) for w in window)
+        if causal:
+            right = 0 if right is None else min(right, 0)
+        return Visibility(left, right, attn_mask, block_mask)
+
+    @property
+    def has_band(self) -> bool:
+        return self.left is not None or self.right is not None
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _grouped(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(B, H, S, X) -> (B, Hkv, H // Hkv, S, X): the q heads that share one kv head, together."""
+    B, H, S, X = t.shape
+    return t.reshape(B, kv_heads, H // kv_heads, S, X)
+
+
+def _chunk_bias(vis: Visibility, B: int, H: int, kv_heads: int, Sq: int, Sk: int, k0: int, k1: int,
+                device, acc) -> Optional[torch.Tensor]:
+    """Additive bias for keys [k0, k1): 0 where visible, -inf where hidden, plus a float
+    attn_mask; shaped to broadcast against grouped scores (B, Hkv, G, Sq, k1 - k0).
+    None when every key of the chunk is visible to every query."""
+    bias = None
+    if vis.has_band:
+        i = torch.arange(Sq, device=device).view(-1, 1) + (Sk - Sq)
+        j = torch.arange(k0, k1, device=device).view(1, -1)
+        seen = torch.ones(Sq, k1 - k0, dtype=torch.bool, device=device)
+        if vis.left is not None:
+            seen &= j >= i - vis.left
+        if vis.right is not None:
+            seen &= j <= i + vis.right
+        bias = torch.zeros(Sq, k1 - k0, dtype=acc, device=device).masked_fill_(~seen, -math.inf)
+    for mask in (vis.attn_mask, None if vis.block_mask is None else vis.block_mask.element_mask(0, Sq, k0, k1)):
+        if mask is None:
+            continue
+        m = mask[..., k0:k1] if mask is vis.attn_mask else mask
+        if m.dtype == torch.bool:
+            m = torch.zeros(m.shape, dtype=acc, device=device).masked_fill_(~m, -math.inf)
+        else:
+            m = m.to(acc)
+        bias = m if bias is None else bias + m
+    if bias is None:
+        return None
+    while bias.dim() < 4:
+        bias = bias.unsqueeze(0)
+    bias = bias.expand(B, H, Sq, k1 - k0) if bias.shape[1] != 1 else bias.expand(B, 1, Sq, k1 - k0)
+    if bias.shape[1] == 1:
+        return bias.unsqueeze(2)  # (B, 1, 1, Sq, C): broadcasts over kv heads and groups
+    return bias.reshape(B, kv_heads, H // kv_heads, Sq, k1 - k0)
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, vis: Visibility,
+                      chunk_size: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out in q's dtype (B, H, Sq, D), lse float32 (float64 for float64) (B, H, Sq))."""
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    acc = _acc_dtype(q.dtype)
+    qg = _grouped(q.to(acc), Hkv)  # (B, Hkv, G, Sq, D)
+    kf, vf = k.to(acc).unsqueeze(2), v.to(acc).unsqueeze(2)  # (B, Hkv, 1, Sk, D)
+    row_max = torch.full(qg.shape[:-1], -math.inf, dtype=acc, device=q.device)
+    row_sum = torch.zeros_like(row_max)
+    out = torch.zeros(qg.shape[:-1] + (v.shape[-1],), dtype=acc, device=q.device)
+    for k0 in range(0, Sk, chunk_size):
+        k1 = min(Sk, k0 + chunk_size)
+        s = torch.matmul(qg, kf[..., k0:k1, :].transpose(-1, -2)).mul_(scale)
+        bias = _chunk_bias(vis, B, H, Hkv, Sq, Sk, k0, k1, q.device, acc)
+        if bias is not None:
+            s = s.add_(bias)
+        new_max = torch.maximum(row_max, s.amax(-1))
+        safe_max = torch.where(new_max == -math.inf, 0.0, new_max)  # a row hidden so far stays 0
+        p = torch.exp(s.sub_(safe_max.unsqueeze(-1)))
+        rescale = torch.exp(row_max - safe_max)
+        row_sum = row_sum.mul_(rescale).add_(p.sum(-1))
+        out = out.mul_(rescale.unsqueeze(-1)).add_(torch.matmul(p, vf[..., k0:k1, :]))
+        row_max = new_max
+    seen = row_sum > 0
+    out = torch.where(seen.unsqueeze(-1), out / torch.where(seen, row_sum, 1.0).unsqueeze(-1), 0.0)
+    lse = torch.where(seen, row_max + torch.log(torch.where(seen, row_sum, 1.0)), -math.inf)
+    return out.reshape(B, H, Sq, -1).to(q.dtype), lse.reshape(B, H, Sq)
+
+
+def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, scale: float, vis: Visibility,
+                       chunk_size: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) from the forward's output and log-sum-exp, chunked over keys:
+    P = exp(scale q k^T + bias - lse), dV = P^T dO, dS = P (dO V^T - rowsum(dO * O)),
+    dQ = scale dS K, dK = scale dS^T Q (summed over the q heads of a group)."""
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    acc = _acc_dtype(q.dtype)
+    qg, dog = _grouped(q.to(acc), Hkv), _grouped(grad_out.to(acc), Hkv)
+    kf, vf = k.to(acc).unsqueeze(2), v.to(acc).unsqueeze(2)
+    delta = (dog * _grouped(out.to(acc), Hkv)).sum(-1, keepdim=True)  # (B, Hkv, G, Sq, 1)
+    # rows with no visible key: lse = -inf; +inf makes their P exactly 0
+    lse_g = _grouped(lse.to(acc).unsqueeze(-1), Hkv)
+    lse_g = torch.where(lse_g == -math.inf, math.inf, lse_g)
+    dq = torch.zeros_like(qg)
+    dk = torch.empty(k.shape, dtype=acc, device=k.device)
+    dv = torch.empty(v.shape, dtype=acc, device=v.device)
+    for k0 in range(0, Sk, chunk_size):
+        k1 = min(Sk, k0 + chunk_size)
+        kc, vc = kf[..., k0:k1, :], vf[..., k0:k1, :]
+        s = torch.matmul(qg, kc.transpose(-1, -2)).mul_(scale)
+        bias = _chunk_bias(vis, B, H, Hkv, Sq, Sk, k0, k1, q.device, acc)
+        if bias is not None:
+            s = s.add_(bias)
+        p = torch.exp(s.sub_(lse_g))  # (B, Hkv, G, Sq, C)
+        dv[:, :, k0:k1] = torch.matmul(p.transpose(-1, -2), dog).sum(2)
+        ds = p.mul_(torch.matmul(dog, vc.transpose(-1, -2)).sub_(delta))
+        dq += torch.matmul(ds, kc)
+        dk[:, :, k0:k1] = torch.matmul(ds.transpose(-1, -2), qg).sum(2)
+    return ((dq * scale).reshape(q.shape).to(q.dtype), (dk * scale).to(k.dtype), dv.to(v.dtype))
+
+
+# ----------------------------------------------------------------------------- CPU entry points
+def cpu_fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
+                        causal: bool = False) -> torch.Tensor:
+    """Attention on (batch, heads, seq, head_dim) tensors in one pass over the keys with an
+    online softmax (no Sq x Sk score matrix). No autograd of its own: for gradients, masks
+    and every option use kernelforge.flash_attention, which runs this path on the CPU."""
+    return optimized_cpu_attention(q, k, v, chunk_size=DEFAULT_CHUNK, scale=scale, causal=causal)
+
+
+def optimized_cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int = 64, *,
+                            scale: Optional[float] = None, causal: bool = False) -> torch.Tensor:
+    """cpu_fused_attention with the key chunk chosen: memory O(Sq * chunk_size) per head."""
+    if chunk_size < 1:
+        raise ValueError(f"optimized_cpu_attention: chunk_size must be >= 1, got {chunk_size}")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return attention_forward(q, k, v, scale, Visibility.of(causal, None), chunk_size)[0]
+
+
+# Launchers: the interface every backend of the attention op implements (kernelforge/ops/attention.py).
+flash_forward = attention_forward
+flash_backward = attention_backward

@@ -1,0 +1,184 @@
+"""Launchers of the Triton flash-attention kernels (kernelforge/triton/attention_kernels.py).
+
+flash_forward(q, k, v, scale, vis) -> (out, lse) and flash_backward(...) -> (dq, dk, dv), the
+backend interface of kernelforge/ops/attention.py. Inputs may have any strides whose last
+dimension is unit (else one copy); outputs are dense. Masks are read through their strides
+(a broadcast mask is never materialized). Launches run on the current CUDA stream of q's
+device, and on CPU tensors under TRITON_INTERPRET=1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kernelforge.reference.attention import Visibility
+from kernelforge.triton import interpreter_enabled
+from kernelforge.triton._launch import on_device
+from kernelforge.triton.attention_kernels import (backward_delta_kernel, flash_backward_dkdv_kernel,
+                                                  flash_backward_dq_kernel, flash_forward_kernel)
+
+MAX_HEAD_DIM = 256
+LOG2E = 1.4426950408889634  # the kernels take scores in log2 units
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+# Forward tiles by padded head dim. Each program keeps a BLOCK_M x D query tile and a
+# BLOCK_M x Dv accumulator in registers and streams BLOCK_N x D key / value tiles through
+# shared memory (num_stages deep). 128-row tiles feed Hopper's 64-row warpgroup MMAs with
+# 8 warps; d=256 halves the key tile to stay within registers and shared memory.
+FORWARD_TILES = {
+    16: TileConfig(128, 64, 4, 3),
+    32: TileConfig(128, 64, 4, 3),
+    64: TileConfig(128, 64, 4, 3),
+    128: TileConfig(128, 64, 8, 3),
+    256: TileConfig(64, 64, 4, 2),
+}
+# Backward: the dK/dV kernel holds K, V, dK, dV tiles of BLOCK_N rows and streams query
+# tiles; the dQ kernel mirrors the forward. Smaller tiles than the forward: five dot
+# products share the registers.
+BACKWARD_TILES = {
+    16: TileConfig(64, 64, 4, 2),
+    32: TileConfig(64, 64, 4, 2),
+    64: TileConfig(64, 128, 8, 2),
+    128: TileConfig(64, 128, 8, 2),
+    256: TileConfig(32, 64, 4, 1),
+}
+INTERPRETER_TILE = TileConfig(32, 32, 4, 1)  # the CPU interpreter: small tiles, few wasted rows
+
+
+def why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
+        return f"the Triton kernels take head dims up to {MAX_HEAD_DIM}, got {q.shape[-1]} (q, k) and {v.shape[-1]} (v)"
+    return None
+
+
+def _config(table, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility) -> TileConfig:
+    if interpreter_enabled() and q.device.type == "cpu":
+        cfg = INTERPRETER_TILE
+    else:
+        cfg = table[max(_pow2(q.shape[-1]), _pow2(v.shape[-1]))]
+    if vis.block_mask is not None:  # kernel tiles must divide the mask's tiles
+        cfg = TileConfig(min(cfg.block_m, vis.block_mask.block_q), min(cfg.block_n, vis.block_mask.block_k),
+                         cfg.num_warps, cfg.num_stages)
+    return cfg
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _mask_args(q: torch.Tensor, vis: Visibility):
+    """(tensor, strides (b, h, i, j), kind): kind 0 none, 1 bool, 2 additive."""
+    mask = vis.attn_mask
+    if mask is None:
+        return q, (0, 0, 0, 0), 0
+    strides = tuple(0 if mask.shape[d] == 1 else mask.stride(d) for d in range(4))
+    if mask.dtype == torch.bool:
+        return mask.view(torch.uint8), strides, 1
+    return mask, strides, 2
+
+
+def _block_args(q: torch.Tensor, vis: Visibility, backward_lists: bool):
+    """(counts, blocks, partial, bits, counts strides (b, h), lists strides (b, h), row length,
+    block_q, block_k): the forward's / dQ's per-query-tile lists, or the dK/dV pass's
+    per-key-tile lists."""
+    bm = vis.block_mask
+    if bm is None:
+        return (q, q, q, q, 0, 0, 0, 0, 1, 16, 16)
+    if backward_lists:
+        counts, blocks, partial = bm.q_counts, bm.q_blocks, bm.q_partial
+    else:
+        counts, blocks, partial = bm.kv_counts, bm.kv_blocks, bm.kv_partial
+
+    def bh(t):
+        return tuple(0 if t.shape[d] == 1 else t.stride(d) for d in (0, 1))
+
+    return (counts, blocks, partial, bm.partial_masks, *bh(counts), *bh(blocks), blocks.shape[-1],
+            bm.block_q, bm.block_k)
+
+
+def _band(vis: Visibility):
+    return (vis.left if vis.left is not None else 0, vis.right if vis.right is not None else 0,
+            vis.left is not None, vis.right is not None)
+
+
+def _precision(q: torch.Tensor) -> str:
+    # float32 inputs keep full float32 products (tf32 would cost ~1e-3 relative error)
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, vis: Visibility):
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    B, H, Sq, D = q.shape
+    Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    out = torch.empty(B, H, Sq, Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    cfg = _config(FORWARD_TILES, q, k, v, vis)
+    mask, mstr, mask_kind = _mask_args(q, vis)
+    counts, blocks, partial, bits, scb, sch, sbb, sbh, nkb, mb_q, mb_k = _block_args(q, vis, False)
+    left, right, has_left, has_right = _band(vis)
+    grid = (triton.cdiv(Sq, cfg.block_m), B * H)
+    with on_device(q):
+        flash_forward_kernel[grid](
+            q, k, v, out, lse, mask, counts, blocks, partial, bits,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+            *mstr, scb, sch, sbb, sbh,
+            H, H // Hkv, Sq, Sk, Sk - Sq, left, right, scale * LOG2E, nkb,
+            HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_LEFT=has_left, HAS_RIGHT=has_right,
+            MASK_KIND=mask_kind, BLOCK_SPARSE=vis.block_mask is not None, MB_Q=mb_q, MB_K=mb_k,
+            PRECISION=_precision(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return out, lse
+
+
+def flash_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, scale: float, vis: Visibility):
+    q, k, v, out, grad_out = (_unit_last(t) for t in (q, k, v, out, grad_out))
+    lse = lse.contiguous()
+    B, H, Sq, D = q.shape
+    Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    cfg = _config(BACKWARD_TILES, q, k, v, vis)
+    mask, mstr, mask_kind = _mask_args(q, vis)
+    left, right, has_left, has_right = _band(vis)
+    dq = torch.empty(B, H, Sq, D, dtype=q.dtype, device=q.device)
+    dk = torch.empty(B, Hkv, Sk, D, dtype=k.dtype, device=k.device)
+    dv = torch.empty(B, Hkv, Sk, Dv, dtype=v.dtype, device=v.device)
+    delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    common = dict(HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_LEFT=has_left, HAS_RIGHT=has_right,
+                  MASK_KIND=mask_kind, BLOCK_SPARSE=vis.block_mask is not None, PRECISION=_precision(q),
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    with on_device(q):
+        delta_rows = 64
+        backward_delta_kernel[(triton.cdiv(Sq, delta_rows), B * H)](
+            out, grad_out, delta, *out.stride()[:3], *grad_out.stride()[:3], H, Sq,
+            HEAD_DIM_V=Dv, BLOCK_M=delta_rows, BLOCK_DV=_pow2(Dv))
+        counts, blocks, partial, bits, scb, sch, sbb, sbh, nqb, mb_q, mb_k = _block_args(q, vis, True)
+        flash_backward_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
+            q, k, v, grad_out, lse, delta, dk, dv, mask, counts, blocks, partial, bits,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
+            *dk.stride()[:3], *dv.stride()[:3], *mstr, scb, sch, sbb, sbh,
+            H, Hkv, H // Hkv, Sq, Sk, Sk - Sq, left, right, scale * LOG2E, scale, nqb,
+            MB_Q=mb_q, MB_K=mb_k, **common)
+        counts, blocks, partial, bits, scb, sch, sbb, sbh, nkb, mb_q, mb_k = _block_args(q, vis, False)
+        flash_backward_dq_kernel[(triton.cdiv(Sq, cfg.block_m), B * H)](
+            q, k, v, grad_out, lse, delta, dq, mask, counts, blocks, partial, bits,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], *dq.stride()[:3],
+            *mstr, scb, sch, sbb, sbh,
+            H, H // Hkv, Sq, Sk, Sk - Sq, left, right, scale * LOG2E, scale, nkb,
+            MB_Q=mb_q, MB_K=mb_k, **common)
+    return dq, dk, dv

@@ -1,0 +1,447 @@
+"""Triton flash-attention kernels (FlashAttention-2): forward, backward dK/dV, backward dQ.
+
+Work per (batch, head), dense: FLOPs 4 * Sq * Sk * D forward (two matmuls), 10 * Sq * Sk * D
+backward (five: S = Q K^T and dP = dO V^T recomputed, dV, dK, dQ), about half of that causal.
+Bytes: Q, K, V, O once forward (K and V once per query tile, from L2 when the tiles of a
+head run together), plus O, dO, dQ, dK, dV and the log-sum-exp backward; no Sq x Sk tensor
+ever reaches memory. These kernels are compute bound from a few hundred keys up.
+
+Scores live in log2 units: s2 = scale * log2(e) * q.k (+ log2(e) * additive mask), so the
+softmax takes exp2, the SFU's native op. The forward keeps, per query row, the running max
+m (log2 units) and the running sum l of exp2(s2 - m); it returns lse = (m + log2 l) * ln 2.
+
+Which keys a query sees: a band of positions relative to p = i + off (off = Sk - Sq: causal
+aligned to the bottom right), p - LEFT <= j <= p + RIGHT (HAS_LEFT / HAS_RIGHT say whether
+each side is bounded), the Sk tail, a bool or additive mask (MASK_KIND 1 / 2, read through
+strides so a broadcast mask costs no memory), and for block-sparse calls the BlockMask's
+tile lists and partial-tile bits. Tiles wholly inside every bound run the MASKED=False
+variant: no per-element index math, no -inf guard.
+
+A row that sees no key keeps m = -inf; the `safe` max (0 in its place) keeps exp2 from
+producing NaN, and the epilogue writes out = 0, lse = -inf. The backward turns lse = -inf
+into +inf so that P = exp2(s2 - lse2) = 0 on such rows: their gradients are exactly zero.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+# ----------------------------------------------------------------------------- shared pieces
+@triton.jit
+def _masked_scores(s, i, j, Sq, Sk, off, LEFT, RIGHT, mask_base, smm, smn, bits_base, partial_id,
+                   MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                   MASK_KIND: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MB_Q: tl.constexpr, MB_K: tl.constexpr):
+    """Scores s (log2 units) of query rows i and key columns j (broadcastable index tiles,
+    either orientation) with every mask applied: hidden pairs become -inf."""
+    inside = (i < Sq) & (j < Sk)
+    if MASK_KIND == 2:
+        s += tl.load(mask_base + i * smm + j * smn, mask=inside, other=0.0).to(tl.float32) * LOG2E
+    if MASKED:
+        ok = inside
+        if HAS_LEFT:
+            ok = ok & (j >= i + off - LEFT)
+        if HAS_RIGHT:
+            ok = ok & (j <= i + off + RIGHT)
+        if MASK_KIND == 1:
+            ok = ok & (tl.load(mask_base + i * smm + j * smn, mask=inside, other=0) != 0)
+        if BLOCK_SPARSE:
+            bits = tl.load(bits_base + partial_id * (MB_Q * MB_K) + (i % MB_Q) * MB_K + (j % MB_K),
+                           mask=inside & (partial_id >= 0), other=1)
+            ok = ok & (bits != 0)
+        s = tl.where(ok, s, float("-inf"))
+    elif MASK_KIND == 1:
+        s = tl.where(tl.load(mask_base + i * smm + j * smn, mask=inside, other=0) != 0, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _row_range(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Key tiles for query rows [m0, m0 + BLOCK_M): [lo, full_lo) and [full_hi, hi) need
+    masking, [full_lo, full_hi) lie inside every bound. lo, full_lo, full_hi are multiples
+    of BLOCK_N (or equal to hi)."""
+    m_last = tl.minimum(m0 + BLOCK_M, Sq) - 1
+    lo = 0
+    hi = Sk
+    full_lo = 0
+    full_hi = (Sk // BLOCK_N) * BLOCK_N
+    if HAS_LEFT:
+        lo = tl.maximum(m0 + off - LEFT, 0) // BLOCK_N * BLOCK_N
+        full_lo = tl.maximum(m_last + off - LEFT + BLOCK_N - 1, 0) // BLOCK_N * BLOCK_N
+    if HAS_RIGHT:
+        hi = tl.minimum(hi, tl.maximum(m_last + off + RIGHT + 1, 0))
+        full_hi = tl.minimum(full_hi, tl.maximum(m0 + off + RIGHT + 1, 0) // BLOCK_N * BLOCK_N)
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _col_range(n0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Query tiles that see some key of [n0, n0 + BLOCK_N) (the transpose of _row_range):
+    [lo, full_lo) and [full_hi, hi) need masking, [full_lo, full_hi) none."""
+    n_last = tl.minimum(n0 + BLOCK_N, Sk) - 1
+    lo = 0
+    hi = Sq
+    full_lo = 0
+    full_hi = (Sq // BLOCK_M) * BLOCK_M
+    if n0 + BLOCK_N > Sk:  # the key tail: every tile is checked against Sk
+        full_hi = 0
+    if HAS_RIGHT:  # j <= i + off + RIGHT  <=>  i >= j - off - RIGHT
+        lo = tl.maximum(n0 - off - RIGHT, 0) // BLOCK_M * BLOCK_M
+        full_lo = tl.maximum(n_last - off - RIGHT + BLOCK_M - 1, 0) // BLOCK_M * BLOCK_M
+    if HAS_LEFT:  # j >= i + off - LEFT  <=>  i <= j - off + LEFT
+        hi = tl.minimum(hi, tl.maximum(n_last - off + LEFT + 1, 0))
+        full_hi = tl.minimum(full_hi, tl.maximum(n0 - off + LEFT + 1, 0) // BLOCK_M * BLOCK_M)
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+# ----------------------------------------------------------------------------- forward
+@triton.jit
+def _forward_tile(acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
+                  Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, bits_base, partial_id,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, MASKED: tl.constexpr,
+                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
+                  BLOCK_SPARSE: tl.constexpr, MB_Q: tl.constexpr, MB_K: tl.constexpr, PRECISION: tl.constexpr):
+    cols = n0 + offs_n
+    if MASKED:
+        kv_rows = cols[:, None] < Sk
+    else:
+        kv_rows = cols[:, None] >= 0
+    k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :], mask=kv_rows & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    s = _masked_scores(s, offs_m[:, None], cols[None, :], Sq, Sk, off, LEFT, RIGHT, mask_base, smm, smn,
+                       bits_base, partial_id, MASKED, HAS_LEFT, HAS_RIGHT, MASK_KIND, BLOCK_SPARSE, MB_Q, MB_K)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED or MASK_KIND != 0:  # a row may have seen nothing yet: keep exp2 off -inf - -inf
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + cols[:, None] * svn + offs_dv[None, :], mask=kv_rows & (offs_dv[None, :] < HEAD_DIM_V),
+                other=0.0)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def flash_forward_kernel(
+    Q, K, V, O, LSE, MASK, COUNTS, BLOCKS, PARTIAL, BITS,
+    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
+    smb, smh, smm, smn, scb, sch, sbb, sbh,
+    H, GROUP, Sq, Sk, off, LEFT, RIGHT, qk_scale, NUM_MB_K,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    MASK_KIND: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MB_Q: tl.constexpr, MB_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # the heaviest query tiles (causal: the last ones) start first
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+    k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+    v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+    mask_base = MASK + b.to(tl.int64) * smb + h.to(tl.int64) * smh
+    q = tl.load(q_base + offs_m[:, None] * sqm + offs_d[None, :],
+                mask=(offs_m[:, None] < Sq) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    if BLOCK_SPARSE:
+        row = b * scb + h * sch + m0 // MB_Q
+        count = tl.load(COUNTS + row)
+        list_base = b * sbb + h * sbh + (m0 // MB_Q) * NUM_MB_K
+        for t in range(count):
+            kb = tl.load(BLOCKS + list_base + t)
+            partial_id = tl.load(PARTIAL + list_base + t)
+            for sub in tl.static_range(MB_K // BLOCK_N):
+                n0 = kb * MB_K + sub * BLOCK_N
+                if (partial_id < 0) & (n0 + BLOCK_N <= Sk) & (not (HAS_LEFT or HAS_RIGHT)):
+                    # a full tile inside Sk: no per-element masking (the band, if any, still needs it)
+                    acc, m_i, l_i = _forward_tile(
+                        acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
+                        Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, partial_id,
+                        HEAD_DIM, HEAD_DIM_V, False, HAS_LEFT, HAS_RIGHT, MASK_KIND, BLOCK_SPARSE, MB_Q, MB_K, PRECISION)
+                elif n0 < Sk:
+                    acc, m_i, l_i = _forward_tile(
+                        acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
+                        Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, partial_id,
+                        HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, BLOCK_SPARSE, MB_Q, MB_K, PRECISION)
+    else:
+        lo, full_lo, full_hi, hi = _row_range(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        for n0 in range(lo, full_lo, BLOCK_N):
+            acc, m_i, l_i = _forward_tile(
+                acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
+                Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1,
+                HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
+        for n0 in range(full_lo, full_hi, BLOCK_N):
+            acc, m_i, l_i = _forward_tile(
+                acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
+                Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1,
+                HEAD_DIM, HEAD_DIM_V, False, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
+        for n0 in range(full_hi, hi, BLOCK_N):
+            acc, m_i, l_i = _forward_tile(
+                acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
+                Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1,
+                HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
+
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    out = tl.where(seen[:, None], out, 0.0)
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    row_ok = offs_m < Sq
+    tl.store(LSE + pid_bh.to(tl.int64) * Sq + offs_m, lse, mask=row_ok)
+    o_base = O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
+    tl.store(o_base + offs_m[:, None] * som + offs_dv[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+
+
+# ----------------------------------------------------------------------------- backward
+@triton.jit
+def backward_delta_kernel(O, DO, DELTA, sob, soh, som, sdb, sdh, sdm, H, Sq,
+                          HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """delta[b, h, i] = sum_d dO * O: the row term of dS = P (dP - delta). Bytes: O and dO
+    read once, 4 bytes a row written."""
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_DV)
+    inside = (offs_m[:, None] < Sq) & (offs_d[None, :] < HEAD_DIM_V)
+    o = tl.load(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * som + offs_d[None, :],
+                mask=inside, other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh + offs_m[:, None] * sdm + offs_d[None, :],
+                 mask=inside, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + pid_bh.to(tl.int64) * Sq + offs_m, delta, mask=offs_m < Sq)
+
+
+@triton.jit
+def _lse2(LSE_ROW, offs, Sq):
+    """The forward's lse (natural log) in log2 units, +inf for rows that saw no key (and past
+    Sq), so that P = exp2(s2 - lse2) is exactly 0 there."""
+    lse = tl.load(LSE_ROW + offs, mask=offs < Sq, other=float("-inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_row, delta_row, sqm, sdm, m0, offs_m, offs_n, offs_d, offs_dv,
+               Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, bits_base, partial_id,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, MASKED: tl.constexpr,
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
+               BLOCK_SPARSE: tl.constexpr, MB_Q: tl.constexpr, MB_K: tl.constexpr, PRECISION: tl.constexpr):
+    """One query tile's contribution to a key tile's dK, dV, transposed (keys as rows):
+    P^T = exp2(K Q^T - lse2), dV += P^T dO, dS^T = P^T (V dO^T - delta), dK += dS^T Q."""
+    rows = m0 + offs_m
+    if MASKED:
+        q_rows = rows[:, None] < Sq
+    else:
+        q_rows = rows[:, None] >= 0
+    q = tl.load(q_base + rows[:, None] * sqm + offs_d[None, :], mask=q_rows & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    do = tl.load(do_base + rows[:, None] * sdm + offs_dv[None, :], mask=q_rows & (offs_dv[None, :] < HEAD_DIM_V),
+                 other=0.0)
+    lse2 = _lse2(lse_row, rows, Sq)
+    delta = tl.load(delta_row + rows, mask=rows < Sq, other=0.0)
+    sT = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
+    sT = _masked_scores(sT, rows[None, :], offs_n[:, None], Sq, Sk, off, LEFT, RIGHT, mask_base, smm, smn,
+                        bits_base, partial_id, MASKED, HAS_LEFT, HAS_RIGHT, MASK_KIND, BLOCK_SPARSE, MB_Q, MB_K)
+    pT = tl.math.exp2(sT - lse2[None, :])
+    dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
+    dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+    dsT = pT * (dpT - delta[None, :])
+    dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def flash_backward_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, MASK, COUNTS, BLOCKS, PARTIAL, BITS,
+    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm,
+    sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
+    smb, smh, smm, smn, scb, sch, sbb, sbh,
+    H, HKV, GROUP, Sq, Sk, off, LEFT, RIGHT, qk_scale, scale, NUM_MB_Q,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    MASK_KIND: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MB_Q: tl.constexpr, MB_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One program per (key tile, batch, kv head): walks the query tiles that see the key
+    tile, for every q head of the group in turn, so dK and dV are summed in a fixed order
+    (deterministic, no atomics) and written once."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HKV
+    hk = pid_bh % HKV
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    key_ok = offs_n[:, None] < Sk
+    k = tl.load(K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + offs_n[:, None] * skn + offs_d[None, :],
+                mask=key_ok & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    v = tl.load(V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + offs_n[:, None] * svn + offs_dv[None, :],
+                mask=key_ok & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+        do_base = DO + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh
+        row = (b * H + h).to(tl.int64) * Sq
+        mask_base = MASK + b.to(tl.int64) * smb + h.to(tl.int64) * smh
+        if BLOCK_SPARSE:
+            count = tl.load(COUNTS + b * scb + h * sch + n0 // MB_K)
+            list_base = b * sbb + h * sbh + (n0 // MB_K) * NUM_MB_Q
+            for t in range(count):
+                qb = tl.load(BLOCKS + list_base + t)
+                partial_id = tl.load(PARTIAL + list_base + t)
+                for sub in tl.static_range(MB_Q // BLOCK_M):
+                    m0 = qb * MB_Q + sub * BLOCK_M
+                    if (partial_id < 0) & (m0 + BLOCK_M <= Sq) & (n0 + BLOCK_N <= Sk) & (not (HAS_LEFT or HAS_RIGHT)):
+                        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm, m0,
+                                            offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale,
+                                            mask_base, smm, smn, BITS, partial_id, HEAD_DIM, HEAD_DIM_V, False,
+                                            HAS_LEFT, HAS_RIGHT, MASK_KIND, BLOCK_SPARSE, MB_Q, MB_K, PRECISION)
+                    elif m0 < Sq:
+                        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm, m0,
+                                            offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale,
+                                            mask_base, smm, smn, BITS, partial_id, HEAD_DIM, HEAD_DIM_V, True,
+                                            HAS_LEFT, HAS_RIGHT, MASK_KIND, BLOCK_SPARSE, MB_Q, MB_K, PRECISION)
+        else:
+            lo, full_lo, full_hi, hi = _col_range(n0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+            for m0 in range(lo, full_lo, BLOCK_M):
+                dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm, m0,
+                                    offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale,
+                                    mask_base, smm, smn, BITS, -1, HEAD_DIM, HEAD_DIM_V, True,
+                                    HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
+            for m0 in range(full_lo, full_hi, BLOCK_M):
+                dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm, m0,
+                                    offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale,
+                                    mask_base, smm, smn, BITS, -1, HEAD_DIM, HEAD_DIM_V, False,
+                                    HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
+            for m0 in range(full_hi, hi, BLOCK_M):
+                dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm, m0,
+                                    offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale,
+                                    mask_base, smm, smn, BITS, -1, HEAD_DIM, HEAD_DIM_V, True,
+                                    HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
+    key_ok = offs_n[:, None] < Sk
+    tl.store(DK + b.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh + offs_n[:, None] * sdkn + offs_d[None, :],
+             (dk * scale).to(DK.dtype.element_ty), mask=key_ok & (offs_d[None, :] < HEAD_DIM))
+    tl.store(DV + b.to(tl.int64) * sdvb + hk.to(tl.int64) * sdvh + offs_n[:, None] * sdvn + offs_dv[None, :],
+             dv.to(DV.dtype.element_ty), mask=key_ok & (offs_dv[None, :] < HEAD_DIM_V))
+
+
+@triton.jit
+def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
+             Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, bits_base, partial_id,
+             HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, MASKED: tl.constexpr,
+             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
+             BLOCK_SPARSE: tl.constexpr, MB_Q: tl.constexpr, MB_K: tl.constexpr, PRECISION: tl.constexpr):
+    """One key tile's contribution to a query tile's dQ: P = exp2(Q K^T - lse2),
+    dS = P (dO V^T - delta), dQ += dS K."""
+    cols = n0 + offs_n
+    if MASKED:
+        kv_rows = cols[:, None] < Sk
+    else:
+        kv_rows = cols[:, None] >= 0
+    k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :], mask=kv_rows & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    v = tl.load(v_base + cols[:, None] * svn + offs_dv[None, :], mask=kv_rows & (offs_dv[None, :] < HEAD_DIM_V),
+                other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    s = _masked_scores(s, offs_m[:, None], cols[None, :], Sq, Sk, off, LEFT, RIGHT, mask_base, smm, smn,
+                       bits_base, partial_id, MASKED, HAS_LEFT, HAS_RIGHT, MASK_KIND, BLOCK_SPARSE, MB_Q, MB_K)
+    p = tl.math.exp2(s - lse2[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+
+
+@triton.jit
+def flash_backward_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, MASK, COUNTS, BLOCKS, PARTIAL, BITS,
+    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm, sdqb, sdqh, sdqm,
+    smb, smh, smm, smn, scb, sch, sbb, sbh,
+    H, GROUP, Sq, Sk, off, LEFT, RIGHT, qk_scale, scale, NUM_MB_K,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    MASK_KIND: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MB_Q: tl.constexpr, MB_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One program per (query tile, batch, head), over the key tiles it sees, as the forward."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m[:, None] < Sq
+    q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqm + offs_d[None, :],
+                mask=row_ok & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh + offs_m[:, None] * sdm + offs_dv[None, :],
+                 mask=row_ok & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    row = pid_bh.to(tl.int64) * Sq
+    lse2 = _lse2(LSE + row, offs_m, Sq)
+    delta = tl.load(DELTA + row + offs_m, mask=offs_m < Sq, other=0.0)
+    k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+    v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+    mask_base = MASK + b.to(tl.int64) * smb + h.to(tl.int64) * smh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if BLOCK_SPARSE:
+        count = tl.load(COUNTS + b * scb + h * sch + m0 // MB_Q)
+        list_base = b * sbb + h * sbh + (m0 // MB_Q) * NUM_MB_K
+        for t in range(count):
+            kb = tl.load(BLOCKS + list_base + t)
+            partial_id = tl.load(PARTIAL + list_base + t)
+            for sub in tl.static_range(MB_K // BLOCK_N):
+                n0 = kb * MB_K + sub * BLOCK_N
+                if (partial_id < 0) & (n0 + BLOCK_N <= Sk) & (not (HAS_LEFT or HAS_RIGHT)):
+                    dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d,
+                                  offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, partial_id,
+                                  HEAD_DIM, HEAD_DIM_V, False, HAS_LEFT, HAS_RIGHT, MASK_KIND, BLOCK_SPARSE, MB_Q,
+                                  MB_K, PRECISION)
+                elif n0 < Sk:
+                    dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d,
+                                  offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, partial_id,
+                                  HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, BLOCK_SPARSE, MB_Q,
+                                  MB_K, PRECISION)
+    else:
+        lo, full_lo, full_hi, hi = _row_range(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        for n0 in range(lo, full_lo, BLOCK_N):
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
+                          Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, HEAD_DIM, HEAD_DIM_V,
+                          True, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
+        for n0 in range(full_lo, full_hi, BLOCK_N):
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
+                          Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, HEAD_DIM, HEAD_DIM_V,
+                          False, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
+        for n0 in range(full_hi, hi, BLOCK_N):
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
+                          Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, HEAD_DIM, HEAD_DIM_V,
+                          True, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
+    tl.store(DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + offs_m[:, None] * sdqm + offs_d[None, :],
+             (dq * scale).to(DQ.dtype.element_ty), mask=row_ok & (offs_d[None, :] < HEAD_DIM))
