@@ -229,7 +229,8 @@ def _setup_context(ctx, inputs, output):
 def _grad(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = flash_attention_backward_op(grad_out.contiguous(), q, k, v, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    no_grad_block_mask = [None] * len(ctx.args[4])  # the schema's list input wants a list back
+    return dq, dk, dv, None, None, None, None, no_grad_block_mask, None, None
 
 
 flash_attention_op.register_autograd(_grad, setup_context=_setup_context)
