@@ -3,6 +3,8 @@
 #   bash benchmarks/run_gpu.sh [build] [tests] [harness] [sweep] [overhead]   (default: build tests)
 #   build    compile every CUDA extension, in parallel, into .kfcache/ (kept on a warm machine)
 #   tests    the GPU suite (pytest -m gpu): op tests spread over 8 workers, then the timing tests alone
+#   focus    the GPU tests in $FOCUS_TESTS only (8 workers), e.g. FOCUS_TESTS="tests/ops/test_attention.py"
+#   attention-sweep  benchmarks/attention_sweep.py (tile sweep next to SDPA flash / cuDNN)
 #   harness  kernelforge bench $BENCH_OPS (default all) --dtype $BENCH_DTYPE (default bf16) --crosscheck
 # Everything lands in $OUT/results/ and is packed into $OUT/results.tgz (the device returns
 # at most 8 files), exactly as produced.
@@ -16,13 +18,14 @@ OUT=${OUT:-/tmp/kernelforge-out}
 R=$OUT/results
 mkdir -p "$R"
 stages=${*:-build tests}
+SWEEP_ARGS=${SWEEP_ARGS:-}
 status=0
 python3 -m kernelforge.cli doctor > "$R/doctor.log" 2>&1
 for stage in $stages; do
   start=$SECONDS
   case $stage in
     build)
-      for ext in softmax norms activations; do
+      for ext in softmax norms activations attention; do
         python3 -c "from kernelforge.cuda.compiler import get_cuda_compiler as g; g().load('$ext')" \
           > "$R/build-$ext.log" 2>&1 &
       done
@@ -35,6 +38,13 @@ for stage in $stages; do
       timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/bench > "$R/gpu-tests-timing.log" 2>&1
       status=$(( status | $? ))
       grep -E "^(FAILED|ERROR)" "$R/gpu-tests.log" | head -60; tail -n 2 "$R/gpu-tests.log" "$R/gpu-tests-timing.log" ;;
+    focus)
+      timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 8 $FOCUS_TESTS > "$R/gpu-focus-tests.log" 2>&1
+      status=$(( status | $? ))
+      grep -E "^(FAILED|ERROR)" "$R/gpu-focus-tests.log" | head -40; tail -n 2 "$R/gpu-focus-tests.log" ;;
+    attention-sweep)
+      timeout "${SWEEP_TIMEOUT:-400}" python3 benchmarks/attention_sweep.py --out "$R" $SWEEP_ARGS > "$R/attention-sweep.log" 2>&1
+      status=$(( status | $? )); grep -v "^   " "$R/attention-sweep.log" | tail -n 14 ;;
     harness)
       timeout "${BENCH_TIMEOUT:-540}" python3 -m kernelforge.cli bench ${BENCH_OPS:-all} --dtype "${BENCH_DTYPE:-bf16}" \
         --crosscheck --out "$R" > "$R/harness.log" 2>&1

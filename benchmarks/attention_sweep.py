@@ -1,0 +1,110 @@
+"""Tile sweep of the Triton flash-attention kernels on one GPU, next to SDPA's FlashAttention-2
+and cuDNN backends, at TARGETS.md's attention shapes (B*S = 16384 tokens, 16 heads).
+
+    python3 benchmarks/attention_sweep.py --out DIR [--dims 128 64] [--quick]
+
+Times with triton.testing.do_bench (CUDA events, median), forward and backward apart
+(backward = the three backward kernels through flash_backward, from saved out / lse).
+TFLOP/s count 4*B*H*S*S*D forward and 10*B*H*S*S*D backward (2.5x), halved when causal.
+Writes attention_sweep.json and prints one table per head dim: the best configuration per
+shape is what kernelforge/triton/attention.py should carry.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from kernelforge.reference.attention import Visibility
+from kernelforge.triton import attention as tri
+
+SHAPES = [(16, 1024, False), (4, 4096, False), (4, 4096, True), (2, 8192, False), (2, 8192, True)]
+FORWARD = [tri.TileConfig(m, n, w, s) for (m, n, w, s) in
+           [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2),
+            (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3)]]
+BACKWARD = [tri.TileConfig(m, n, w, s) for (m, n, w, s) in
+            [(64, 128, 8, 2), (64, 64, 4, 2), (64, 128, 8, 3), (128, 128, 8, 2), (32, 128, 4, 2),
+             (64, 64, 4, 3), (128, 64, 8, 2)]]
+
+
+def sdpa(backend, q, k, v, causal):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(getattr(SDPBackend, backend)):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def tflops(flops, ms):
+    return flops / ms / 1e9
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--dims", type=int, nargs="+", default=[128, 64])
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    dev, dtype, H = "cuda", torch.bfloat16, 16
+    rows = []
+    for D in args.dims:
+        for B, S, causal in (SHAPES[:3] if args.quick else SHAPES):
+            q, k, v = (torch.randn(B, H, S, D, device=dev, dtype=dtype) for _ in range(3))
+            vis = Visibility.of(causal, None)
+            scale = D ** -0.5
+            flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
+            row = dict(D=D, B=B, S=S, causal=causal)
+            for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION"):
+                try:
+                    ms = do_bench(lambda: sdpa(name, q, k, v, causal))
+                    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+                    out = sdpa(name, qg, kg, vg, causal)
+                    g = torch.randn_like(out)
+                    ms_b = do_bench(lambda: torch.autograd.grad(out, (qg, kg, vg), g, retain_graph=True))
+                    row[name] = (round(tflops(flops, ms), 1), round(tflops(2.5 * flops, ms_b), 1))
+                except Exception as err:  # a backend that does not take the shape
+                    row[name] = str(err)[:80]
+            fwd = {}
+            for cfg in FORWARD:
+                tri.FORWARD_TILES[triton.next_power_of_2(D)] = cfg
+                try:
+                    ms = do_bench(lambda: tri.flash_forward(q, k, v, scale, vis))
+                    fwd[str(cfg)] = round(tflops(flops, ms), 1)
+                except Exception as err:
+                    fwd[str(cfg)] = str(err)[:80]
+            row["fwd"] = fwd
+            best_fwd = max((c for c in FORWARD if isinstance(fwd[str(c)], float)), key=lambda c: fwd[str(c)])
+            tri.FORWARD_TILES[triton.next_power_of_2(D)] = best_fwd
+            out, lse = tri.flash_forward(q, k, v, scale, vis)
+            ref = sdpa("FLASH_ATTENTION", q, k, v, causal)
+            row["fwd_max_err_vs_flash"] = (out.float() - ref.float()).abs().max().item()
+            g = torch.randn_like(out)
+            bwd = {}
+            for cfg in BACKWARD:
+                tri.BACKWARD_TILES[triton.next_power_of_2(D)] = cfg
+                try:
+                    ms = do_bench(lambda: tri.flash_backward(g, q, k, v, out, lse, scale, vis))
+                    bwd[str(cfg)] = round(tflops(2.5 * flops, ms), 1)
+                except Exception as err:
+                    bwd[str(cfg)] = str(err)[:80]
+            row["bwd"] = bwd
+            rows.append(row)
+            best_b = max((v for v in bwd.values() if isinstance(v, float)), default=None)
+            print(f"D{D} B{B} S{S} causal={causal}: flash {row['FLASH_ATTENTION']} cudnn {row['CUDNN_ATTENTION']} "
+                  f"| ours fwd best {fwd[str(best_fwd)]} ({best_fwd}) bwd best {best_b} "
+                  f"| err {row['fwd_max_err_vs_flash']:.3g}", flush=True)
+            for name, table in (("fwd", fwd), ("bwd", bwd)):
+                print(f"   {name}: " + "; ".join(f"{c.replace('TileConfig', '')}={t}" for c, t in table.items()))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                commit=os.environ.get("KERNELFORGE_COMMIT", "?"))
+    (Path(args.out) / "attention_sweep.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
