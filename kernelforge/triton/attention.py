@@ -37,23 +37,29 @@ def _pow2(n: int) -> int:
 
 # Forward tiles by padded head dim. Each program keeps a BLOCK_M x D query tile and a
 # BLOCK_M x Dv accumulator in registers and streams BLOCK_N x D key / value tiles through
-# shared memory (num_stages deep). 128-row tiles feed Hopper's 64-row warpgroup MMAs with
-# 8 warps; d=256 halves the key tile to stay within registers and shared memory.
+# shared memory (num_stages deep). Measured on an H200, bf16, B*S = 16384, 16 heads
+# (benchmarks/results/nvidia-h200/attention/attention_sweep.json): for d = 64 and 128,
+# 128x64 tiles with 8 warps and 3 stages are the best or within 3% of the best of eight
+# candidates at every S in 1024..8192, causal or not (d128 S8192: 482 TFLOP/s; 4 warps
+# with the same tiles: 294). d <= 32 and d = 256 are not swept: 32 takes the same tiles
+# with 4 warps (half the registers), 256 halves the query tile to fit registers.
 FORWARD_TILES = {
     16: TileConfig(128, 64, 4, 3),
     32: TileConfig(128, 64, 4, 3),
-    64: TileConfig(128, 64, 4, 3),
+    64: TileConfig(128, 64, 8, 3),
     128: TileConfig(128, 64, 8, 3),
     256: TileConfig(64, 64, 4, 2),
 }
 # Backward: the dK/dV kernel holds K, V, dK, dV tiles of BLOCK_N rows and streams query
-# tiles; the dQ kernel mirrors the forward. Smaller tiles than the forward: five dot
-# products share the registers.
+# tiles; the dQ kernel mirrors the forward. Five dot products share the registers, so the
+# tiles are smaller: 64x64 with 4 warps was the best of seven at every swept shape (d128
+# S8192: 382 TFLOP/s counting 2.5x the forward's FLOPs; 64x128 with 8 warps: 283), 2 stages
+# for d128 and 3 for d64 (within 3% of each other).
 BACKWARD_TILES = {
-    16: TileConfig(64, 64, 4, 2),
-    32: TileConfig(64, 64, 4, 2),
-    64: TileConfig(64, 128, 8, 2),
-    128: TileConfig(64, 128, 8, 2),
+    16: TileConfig(64, 64, 4, 3),
+    32: TileConfig(64, 64, 4, 3),
+    64: TileConfig(64, 64, 4, 3),
+    128: TileConfig(64, 64, 4, 2),
     256: TileConfig(32, 64, 4, 1),
 }
 INTERPRETER_TILE = TileConfig(32, 32, 4, 1)  # the CPU interpreter: small tiles, few wasted rows
