@@ -1,7 +1,8 @@
 """Launchers of the Triton flash-attention kernels (kernelforge/triton/attention_kernels.py).
 
 flash_forward(q, k, v, scale, vis) -> (out, lse) and flash_backward(...) -> (dq, dk, dv), the
-backend interface of kernelforge/ops/attention.py. Inputs may have any strides whose last
+backend interface of kernelforge/ops/attention.py. A few query tokens against a long cache
+take the split-key decode kernels (kernelforge/triton/attention_decode.py). Inputs may have any strides whose last
 dimension is unit (else one copy); outputs are dense. Masks are read through their strides
 (a broadcast mask is never materialized). Launches run on the current CUDA stream of q's
 device, and on CPU tensors under TRITON_INTERPRET=1.
@@ -14,7 +15,7 @@ import torch
 import triton
 
 from kernelforge.reference.attention import Visibility
-from kernelforge.triton import interpreter_enabled
+from kernelforge.triton import attention_decode, interpreter_enabled
 from kernelforge.triton._launch import on_device
 from kernelforge.triton.attention_kernels import (backward_delta_kernel, flash_backward_dkdv_kernel,
                                                   flash_backward_dq_kernel, flash_forward_kernel)
@@ -128,6 +129,9 @@ def _precision(q: torch.Tensor) -> str:
 
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, vis: Visibility):
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    if attention_decode.takes(q, k, vis):  # a few queries, a long cache: split the keys
+        return attention_decode.decode_forward(q, k, v, scale, vis, _mask_args(q, vis), _band(vis), _precision(q),
+                                               _pow2, LOG2E)
     B, H, Sq, D = q.shape
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     out = torch.empty(B, H, Sq, Dv, dtype=q.dtype, device=q.device)

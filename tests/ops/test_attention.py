@@ -95,6 +95,10 @@ CASES = [
     (1, 4, 2, 50, 70, 32, None, True, (20, None), "bool"),    # causal + window + bool mask + GQA
     (2, 2, 2, 33, 47, 64, 32, False, None, "float"),          # additive mask with -inf, Dv != D
     (1, 2, 1, 48, 48, 16, None, False, (0, 0), "bool_rows"),  # diagonal only; whole rows masked
+    # a few queries against a long cache: Triton splits the keys (flash-decoding)
+    (2, 8, 2, 1, 600, 32, None, False, None, None),
+    (1, 4, 1, 4, 700, 64, None, True, (100, None), "bool"),
+    (1, 2, 2, 2, 530, 32, 16, False, None, "float"),
 ]
 CPU_TRITON_CASES = CASES  # all small enough for the interpreter
 GPU_CASES = CASES + [
@@ -102,6 +106,7 @@ GPU_CASES = CASES + [
     (1, 2, 1, 4097, 4097, 64, None, False, None, None),
     (1, 2, 2, 1000, 4097, 256, None, True, (300, 0), None),
     (2, 8, 2, 1000, 1000, 128, None, False, None, "bool"),
+    (4, 32, 8, 1, 4097, 128, None, True, None, None),         # decode with GQA, odd cache length
 ]
 
 

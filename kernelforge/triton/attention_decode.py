@@ -1,0 +1,155 @@
+"""Flash-decoding: a few query tokens against a long KV cache, split along the keys.
+
+The query-tiled forward gives each (batch, head) one program per 128 query rows; with one
+query token and B * H of a few dozen, most SMs idle while each program walks the whole
+cache. Here the keys are cut into `splits` ranges, one program per (range, batch, kv head),
+and a second kernel merges the partial results by their log-sum-exp.
+
+The q heads that share a kv head (GQA) and their query tokens form the rows of one tile
+(row r: head h = kv_head * GROUP + r // Sq, token i = r % Sq), so each K / V tile is read
+from memory once for the whole group: the cache dominates the bytes, 2 * B * Hkv * Sk * D
+elements, read once; FLOPs 4 * B * H * Sq * Sk * D. Memory bound: the rows pad to 16 for
+the tensor cores, the masks are applied on every tile (their cost hides under the loads).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernelforge.reference.attention import Visibility
+from kernelforge.triton._launch import on_device, sm_count
+from kernelforge.triton.attention_kernels import LN2, _masked_scores
+
+MAX_ROWS = 64  # GROUP * Sq rows of one tile; beyond this the query-tiled forward is as good
+MIN_KEYS = 512  # shorter caches: one query-tiled program walks them quickly enough
+KEYS_PER_SPLIT = 256  # at least this many keys per program, so the merge stays cheap
+BLOCK_N = 64
+NUM_WARPS = 4
+NUM_STAGES = 3
+
+
+def takes(q: torch.Tensor, k: torch.Tensor, vis: Visibility) -> bool:
+    """Whether flash_forward should decode these inputs by splitting the keys."""
+    group = q.shape[1] // k.shape[1]
+    return vis.block_mask is None and q.shape[2] * group <= MAX_ROWS and k.shape[2] >= MIN_KEYS
+
+
+@triton.jit
+def decode_split_kernel(
+    Q, K, V, O_PART, LSE_PART, MASK,
+    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
+    smb, smh, smm, smn,
+    H, HKV, GROUP, Sq, Sk, off, LEFT, RIGHT, qk_scale, keys_per_split,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    MASK_KIND: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Partial attention of every (q head of the group, query) row over one key range:
+    normalized out (float32) and lse in log2 units (-inf when the range shows the row nothing)."""
+    split = tl.program_id(0)
+    pid = tl.program_id(1)
+    b = pid // HKV
+    hk = pid % HKV
+    r = tl.arange(0, ROWS)
+    g = r // Sq
+    row_ok = g < GROUP
+    i = tl.where(row_ok, r % Sq, Sq)  # padded rows get an out-of-range token: every key hidden
+    h = hk * GROUP + tl.where(row_ok, g, 0)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_n = tl.arange(0, BLOCK_N)
+    q = tl.load(Q + b.to(tl.int64) * sqb + h[:, None].to(tl.int64) * sqh + i[:, None] * sqm + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+    v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+    mask_base = MASK + b.to(tl.int64) * smb + h[:, None].to(tl.int64) * smh
+
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_DV], tl.float32)
+    start = split * keys_per_split
+    stop = tl.minimum(start + keys_per_split, Sk)
+    for n0 in range(start, stop, BLOCK_N):
+        cols = n0 + offs_n
+        in_range = cols < stop
+        k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :],
+                    mask=in_range[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = _masked_scores(s, i[:, None], cols[None, :], Sq, stop, off, LEFT, RIGHT, mask_base, smm, smn,
+                           MASK, -1, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, 16, 16)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + cols[:, None] * svn + offs_dv[None, :],
+                    mask=in_range[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    seen = l_i > 0
+    out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+    lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    # partial buffers: (splits, B, H, Sq[, Dv]) float32, dense
+    row = ((split * (tl.num_programs(1) // HKV) + b) * H + h).to(tl.int64) * Sq + i
+    tl.store(LSE_PART + row, lse2, mask=row_ok)
+    tl.store(O_PART + row[:, None] * HEAD_DIM_V + offs_dv[None, :], out,
+             mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+
+
+@triton.jit
+def decode_merge_kernel(O_PART, LSE_PART, O, LSE, rows, splits, sob, soh, som, H, Sq,
+                        HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
+    """out = sum_s w_s out_s / sum_s w_s with w_s = exp2(lse_s - max lse): one program per
+    (batch, head, token) row. Bytes: the partials, splits * (Dv + 1) floats a row."""
+    row = tl.program_id(0)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    s_ok = offs_s < splits
+    lse = tl.load(LSE_PART + offs_s.to(tl.int64) * rows + row, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top_use = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.math.exp2(lse - top_use)
+    total = tl.sum(w, 0)
+    parts = tl.load(O_PART + (offs_s[:, None].to(tl.int64) * rows + row) * HEAD_DIM_V + offs_dv[None, :],
+                    mask=s_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    seen = total > 0
+    out = tl.sum(parts * w[:, None], 0) / tl.where(seen, total, 1.0)
+    bh = row // Sq
+    i = row % Sq
+    b = bh // H
+    h = bh % H
+    tl.store(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + i * som + offs_dv, out.to(O.dtype.element_ty),
+             mask=offs_dv < HEAD_DIM_V)
+    tl.store(LSE + row, tl.where(seen, (top_use + tl.math.log2(tl.where(seen, total, 1.0))) * LN2, float("-inf")))
+
+
+def decode_forward(q, k, v, scale: float, vis: Visibility, mask_args, band, precision: str, pow2, log2e: float):
+    """(out, lse) of q (B, H, Sq, D) over the cache k, v (B, Hkv, Sk, D); the arguments after
+    vis are flash_forward's already-derived launch arguments."""
+    B, H, Sq, D = q.shape
+    Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    group = H // Hkv
+    mask, mstr, mask_kind = mask_args
+    left, right, has_left, has_right = band
+    programs = B * Hkv
+    splits = max(1, min(triton.cdiv(2 * sm_count(q.device), programs), triton.cdiv(Sk, KEYS_PER_SPLIT)))
+    keys_per_split = triton.cdiv(triton.cdiv(Sk, splits), BLOCK_N) * BLOCK_N
+    splits = triton.cdiv(Sk, keys_per_split)
+    o_part = torch.empty(splits, B, H, Sq, Dv, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(splits, B, H, Sq, dtype=torch.float32, device=q.device)
+    out = torch.empty(B, H, Sq, Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    with on_device(q):
+        decode_split_kernel[(splits, programs)](
+            q, k, v, o_part, lse_part, mask,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *mstr,
+            H, Hkv, group, Sq, Sk, Sk - Sq, left, right, scale * log2e, keys_per_split,
+            HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv), ROWS=pow2(group * Sq),
+            BLOCK_N=BLOCK_N, HAS_LEFT=has_left, HAS_RIGHT=has_right, MASK_KIND=mask_kind, PRECISION=precision,
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        rows = B * H * Sq
+        decode_merge_kernel[(rows,)](
+            o_part, lse_part, out, lse, rows, splits, *out.stride()[:3], H, Sq,
+            HEAD_DIM_V=Dv, BLOCK_DV=pow2(Dv), BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4)
+    return out, lse
