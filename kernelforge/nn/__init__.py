@@ -1,6 +1,7 @@
 """nn.Module wrappers around kernelforge ops, drop-in for their torch.nn counterparts."""
 from kernelforge.nn.activations import GELU, SiLU, SwiGLU
+from kernelforge.nn.attention import Attention
 from kernelforge.nn.norms import LayerNorm, RMSNorm, TritonLayerNorm
 from kernelforge.nn.softmax import LogSoftmax, Softmax
 
-__all__ = ["GELU", "LayerNorm", "LogSoftmax", "RMSNorm", "SiLU", "Softmax", "SwiGLU", "TritonLayerNorm"]
+__all__ = ["Attention", "GELU", "LayerNorm", "LogSoftmax", "RMSNorm", "SiLU", "Softmax", "SwiGLU", "TritonLayerNorm"]
