@@ -9,7 +9,9 @@ from pathlib import Path
 META_COLUMNS = ("device", "torch", "cuda", "triton", "python", "commit", "timestamp")
 ROW_COLUMNS = ("op", "shape", "dtype", "direction", "impl", "timing", "ms", "p20_ms", "p80_ms", "gbps", "tflops",
                "pct_of_ceiling", "ceiling", "error")
-BASELINES = ("torch eager", "torch.compile")
+# The rows a "speedup" is measured against (the best of those present): PyTorch, and for
+# attention SDPA's backends (FlashAttention-2, cuDNN, its own choice) and FlexAttention.
+BASELINES = ("torch eager", "torch.compile", "sdpa flash", "sdpa cudnn", "sdpa", "flex attention")
 
 
 def write_results(result: dict, out_dir: Path | str, stem: str = "bench") -> list[Path]:
@@ -44,14 +46,20 @@ def markdown(result: dict) -> str:
         f"commit {meta['commit']}, {meta['timestamp']}.",
         f"Ceilings (measured {ceilings.get('measured_at', '')}): copy {ceilings['copy_gbps']:.0f} GB/s (read + write)"
         + (f"; matmul {rates}" if rates else "") + ".",
-        "Median of many runs; shapes under 1M elements back to back (per-call overhead counts), larger ones with an "
-        "L2 flush before each run. Speedup is against the best of eager and torch.compile.",
+        "Median of many runs; cases whose largest input is under 1M elements back to back (per-call overhead "
+        "counts), larger ones with an L2 flush before each run. Speedup is against the best of eager and "
+        "torch.compile (attention: of the SDPA backends, FlexAttention and eager).",
     ]
     missing = {op: m for op, m in meta.get("missing_peers", {}).items() if m}
     if missing:
         lines.append("Peers not installed here: " + "; ".join(f"{op}: {', '.join(m)}" for op, m in missing.items()) + ".")
     for op in dict.fromkeys(r["op"] for r in rows):
-        lines += ["", f"## {op}", "", "| shape | dtype | direction | implementation | ms | GB/s | TFLOP/s | % of ceiling | speedup |",
+        lines += ["", f"## {op}"]
+        notes = meta.get("left_out", {}).get(op, {})
+        if notes:
+            lines += ["", "Left out: " + "; ".join(f"{note} ({n} case{'s' if n > 1 else ''})"
+                                                   for note, n in notes.items()) + "."]
+        lines += ["", "| shape | dtype | direction | implementation | ms | GB/s | TFLOP/s | % of ceiling | speedup |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in (r for r in rows if r["op"] == op):
             head = f"| {r['shape']} | {r['dtype']} | {r['direction']} | {r['impl']} |"
@@ -95,7 +103,8 @@ def plot_op(result: dict, op: str, path: Path) -> Path:
     ax.set_xticklabels([f"{s}\n{d} {direction}" for s, d, direction in cases], fontsize=7)
     ax.set_ylabel("% of measured ceiling")
     ax.set_title(f"{op} on {result['meta']['device']}")
-    ax.legend(fontsize=7)
+    if impls:  # (none with a % of ceiling: bf16 on the CPU, whose ceiling is fp32's)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

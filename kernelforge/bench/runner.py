@@ -14,12 +14,13 @@ import torch
 
 import kernelforge as kf
 from kernelforge.bench.roofline import get_ceilings, roofline
-from kernelforge.bench.suites import SUITES, Suite, kernelforge_implementations, missing_peers, shape_label
+from kernelforge.bench.suites import SUITES, Suite, Unavailable, kernelforge_implementations, missing_peers
 from kernelforge.bench.timing import time_function
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# Shapes with fewer elements than this are timed as back-to-back calls (per-call host
-# overhead counts, as it does in a model); larger ones with an L2 flush before each run.
+# Cases whose largest input has fewer elements than this are timed as back-to-back calls
+# (per-call host overhead counts, as it does in a model); larger ones with an L2 flush
+# before each run.
 BACK_TO_BACK_BELOW = 1 << 20
 
 
@@ -52,11 +53,13 @@ def progress_bar(done: int, total: int, width: int = 20) -> str:
 
 
 def prepare_call(fn, inputs: tuple, direction: str):
-    """A no-argument callable running one forward or forward+backward of fn on inputs."""
+    """A no-argument callable running one forward or forward+backward of fn on inputs (which
+    may hold non-tensors, e.g. attention's causal flag, passed along as they are)."""
     if direction == "fwd":
         return lambda: fn(*inputs)
-    leaves = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs)
-    differentiable = [t for t in leaves if t.requires_grad]
+    leaves = tuple(t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                   for t in inputs)
+    differentiable = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
     out = fn(*leaves)  # a tensor, or a tuple of them (add_*_norm: y and the new residual)
     grad_out = tuple(torch.randn_like(o) for o in out) if isinstance(out, tuple) else torch.randn_like(out)
     backend = getattr(fn, "forced_backend", None)
@@ -81,38 +84,51 @@ def _do_bench_row(fn, inputs: tuple, base: dict) -> dict:
 
 
 def run_suite(suite: Suite, dtypes: list[str], device: torch.device, quick: bool, backends_only: Optional[list[str]],
-              repeat: int, ceilings, progress: Optional[TextIO] = None, crosscheck: bool = False) -> list[dict]:
+              repeat: int, ceilings, progress: Optional[TextIO] = None, crosscheck: bool = False,
+              left_out: Optional[dict] = None) -> list[dict]:
+    """The rows of one suite. An implementation raising Unavailable has no row; its reason
+    is counted in `left_out` ({"impl: reason": cases})."""
     shapes = suite.quick_shapes if quick or device.type == "cpu" else suite.shapes
     cases = [(s, d, direction) for d in dtypes for s in shapes for direction in suite.directions]
     baselines = suite.baselines() if backends_only is None else {}
+    variants = suite.variants() if backends_only is None else {}
     kernel_only = suite.kernel_only() if device.type == "cuda" and backends_only is None else {}
+    left_out = {} if left_out is None else left_out
     rows = []
     for i, (shape, dtype_name, direction) in enumerate(cases, 1):
+        # torch.compile keeps 8 graphs per function (recompile_limit) and then runs it eager,
+        # silently: start each case afresh so every case's compiled baselines are compiled.
+        torch._dynamo.reset()
         dtype = DTYPES[dtype_name]
         inputs = suite.make_inputs(shape, dtype, device)
-        impls = {**kernelforge_implementations(suite, inputs[0], backends_only), **baselines}
+        impls = {**kernelforge_implementations(suite, inputs, backends_only, direction), **variants, **baselines}
         if direction == "fwd":
             impls.update(kernel_only)
         cost = suite.cost(shape, dtype, direction)
-        small = torch.Size(shape).numel() < BACK_TO_BACK_BELOW
+        small = max(t.numel() for t in inputs if isinstance(t, torch.Tensor)) < BACK_TO_BACK_BELOW
         for name, fn in impls.items():
-            row = {"op": suite.op, "shape": shape_label(shape), "dtype": dtype_name, "direction": direction,
+            row = {"op": suite.op, "shape": suite.label(shape), "dtype": dtype_name, "direction": direction,
                    "impl": name, "timing": "back-to-back" if small else "L2 flushed"}
             try:
                 t = time_function(prepare_call(fn, inputs, direction), device, warmup=5 if quick else 10,
                                   repeat=repeat, back_to_back=small)
                 row.update(ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, **roofline(cost, t.median_ms, ceilings))
+            except Unavailable as why:  # cannot take this case here: no row, a note
+                note = f"{name}: {why}"
+                left_out[note] = left_out.get(note, 0) + 1
+                row = None
             except Exception as err:  # a failing implementation is reported, not dropped
                 row["error"] = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:300]}"
-            rows.append(row)
-            if crosscheck and "ms" in row and name == "kernelforge" and direction == "fwd" and not small \
-                    and device.type == "cuda":
+            if row is not None:
+                rows.append(row)
+            if crosscheck and row is not None and "ms" in row and name == "kernelforge" and direction == "fwd" \
+                    and not small and device.type == "cuda":
                 check = _do_bench_row(fn, inputs, row)
                 rows.append({**check, **roofline(cost, check["ms"], ceilings)})
             if progress is not None:
-                result = f"{row['ms']:.4f} ms" if "ms" in row else "FAILED"
-                progress.write(f"{progress_bar(i, len(cases))} {suite.op} {row['shape']} {dtype_name} {direction} "
-                               f"{name}: {result}\n")
+                result = "left out" if row is None else f"{row['ms']:.4f} ms" if "ms" in row else "FAILED"
+                progress.write(f"{progress_bar(i, len(cases))} {suite.op} {suite.label(shape)} {dtype_name} "
+                               f"{direction} {name}: {result}\n")
                 progress.flush()
         del inputs
     return rows
@@ -136,8 +152,10 @@ def run_bench(ops: list[str], dtypes: list[str], device: torch.device | str, qui
     repeat = repeat or (10 if quick or device.type == "cpu" else 100)
     rows = []
     meta = metadata(device)
-    meta["missing_peers"] = {}
+    meta["missing_peers"], meta["left_out"] = {}, {}
     for name in names:
-        rows += run_suite(SUITES[name], dtypes, device, quick, backends_only, repeat, ceilings, progress, crosscheck)
+        meta["left_out"][name] = {}
+        rows += run_suite(SUITES[name], dtypes, device, quick, backends_only, repeat, ceilings, progress, crosscheck,
+                          meta["left_out"][name])
         meta["missing_peers"][name] = missing_peers(SUITES[name])
     return {"meta": meta, "ceilings": ceilings.as_dict(), "rows": rows}

@@ -3,7 +3,8 @@
 Adding an op to `kernelforge bench` means adding one `Suite` here: the shape grid (the
 large shapes of shared/TARGETS.md, latency shapes where per-call overhead dominates, and
 small CPU shapes), how to make inputs, what one call must move and compute (`Cost`), and
-the baselines (PyTorch eager, torch.compile, peers when importable).
+the baselines (PyTorch eager, torch.compile, peers when importable). The attention suites
+are in kernelforge.bench.attention_suites.
 """
 from __future__ import annotations
 
@@ -15,10 +16,20 @@ import torch
 
 import kernelforge as kf
 from kernelforge import backends
+from kernelforge.bench.attention_suites import attention_suites
 from kernelforge.bench.roofline import Cost
 
 Shape = tuple
 Fn = Callable[..., torch.Tensor]
+
+
+class Unavailable(Exception):
+    """Raised by an implementation that cannot take a case here (a CUDA-only baseline on the
+    CPU, say): the runner leaves its row out and notes the reason."""
+
+
+def shape_label(shape: Shape) -> str:
+    return "x".join(str(s) for s in shape)
 
 
 @dataclass
@@ -39,10 +50,13 @@ class Suite:
     # Options the registry's support predicates take besides the inputs (an activation's
     # kind), so a backend is offered only for what it implements.
     support_options: dict = field(default_factory=dict)
-
-
-def shape_label(shape: Shape) -> str:
-    return "x".join(str(s) for s in shape)
+    # What the support predicates are called with for one case, as a function of (inputs,
+    # direction) giving (args, kwargs); None: (inputs[0],) and support_options. Attention's
+    # take (q, k, v, vis=..., backward=...).
+    support_args: Optional[Callable[[tuple, str], tuple[tuple, dict]]] = None
+    # More rows of the public function called another way (a window as a BlockMask).
+    variants: Callable[[], dict[str, Fn]] = dict
+    label: Callable[[Shape], str] = shape_label  # a shape as the rows name it
 
 
 def _softmax_kernel_only() -> dict[str, Fn]:
@@ -253,24 +267,41 @@ SUITES: dict[str, Suite] = {
                                    lambda x, b: torch.nn.functional.silu(x + b), bias=True),
     "geglu": _gated_suite("geglu", lambda gate, up: kf.geglu(gate, up, approximate="tanh"),  # Liger's form
                           lambda gate, up: torch.nn.functional.gelu(gate, approximate="tanh") * up, _liger_geglu),
+    **attention_suites(),
 }
 
 
-def kernelforge_implementations(suite: Suite, sample: torch.Tensor, only: Optional[list[str]] = None) -> dict[str, Fn]:
+def kernelforge_implementations(suite: Suite, inputs: tuple, only: Optional[list[str]] = None,
+                                direction: str = "fwd") -> dict[str, Fn]:
     """"kernelforge" (default choice) and "kernelforge[<backend>]" for each backend that can
-    run `sample` here. The Triton interpreter is left out on CPU (far too slow to time)
-    unless asked for by name."""
+    run `inputs` (one case's) here. The Triton interpreter is left out on CPU (far too slow
+    to time) unless asked for by name. A support predicate that raises gives a row that the
+    runner leaves out with the error as its note."""
     impls: dict[str, Fn] = {}
     if only is None:
         impls["kernelforge"] = suite.kernelforge
+    args, options = (suite.support_args(inputs, direction) if suite.support_args is not None
+                     else ((inputs[0],), suite.support_options))
     for name, impl in backends.implementations(suite.registry_op or suite.op).items():
         if only is not None and name not in only:
             continue
-        if only is None and name == "triton" and sample.device.type == "cpu":
+        if only is None and name == "triton" and args[0].device.type == "cpu":
             continue
-        if impl.supports(sample, **suite.support_options) is None:
+        try:
+            offered = impl.supports(*args, **options) is None
+        except Exception as err:  # a broken predicate is noted, not a crash of the whole run
+            impls[f"kernelforge[{name}]"] = _unavailable(f"its support check raised {type(err).__name__}: {err}")
+            continue
+        if offered:
             impls[f"kernelforge[{name}]"] = _forced(name, suite.kernelforge)
     return impls
+
+
+def _unavailable(reason: str) -> Fn:
+    def run(*args):
+        raise Unavailable(reason)
+
+    return run
 
 
 def _forced(backend: str, fn: Fn) -> Fn:

@@ -174,7 +174,7 @@ def test_every_suite_runs_on_cpu(tmp_path, monkeypatch):
     result = run_bench(["all"], ["fp32"], "cpu", quick=True, repeat=2, progress=None, backends_only=["reference"])
     assert not [r for r in result["rows"] if "error" in r]
     seen = {(r["op"], r["direction"]) for r in result["rows"] if r["gbps"] > 0}
-    assert seen == {(op, d) for op in SUITES for d in ("fwd", "fwd+bwd")}
+    assert seen == {(op, d) for op, suite in SUITES.items() for d in suite.directions}
 
 
 def test_forced_backend_covers_the_backward():
@@ -213,7 +213,103 @@ def test_backends_are_offered_only_for_what_they_implement():
     with pytest.MonkeyPatch.context() as mp:  # as if the toolchains were there
         mp.setattr(kcuda, "why_unavailable", lambda *a: None)
         mp.setattr(ktriton, "why_unavailable", lambda *a: None)
-        assert "kernelforge[cuda]" not in kernelforge_implementations(SUITES["silu"], cuda_like)
-        assert "kernelforge[cuda]" not in kernelforge_implementations(SUITES["bias_silu"], cuda_like)
-        assert "kernelforge[cuda]" in kernelforge_implementations(SUITES["gelu_tanh"], cuda_like)
-        assert "kernelforge[triton]" in kernelforge_implementations(SUITES["silu"], cuda_like)
+        assert "kernelforge[cuda]" not in kernelforge_implementations(SUITES["silu"], (cuda_like,))
+        assert "kernelforge[cuda]" not in kernelforge_implementations(SUITES["bias_silu"], (cuda_like,))
+        assert "kernelforge[cuda]" in kernelforge_implementations(SUITES["gelu_tanh"], (cuda_like,))
+        assert "kernelforge[triton]" in kernelforge_implementations(SUITES["silu"], (cuda_like,))
+
+
+def test_attention_suites_run_on_cpu(tmp_path, monkeypatch):
+    # --quick on the CPU: ours, the reference, FlexAttention (forward: it has no CPU backward)
+    # and the math SDPA; the CUDA-only SDPA backends are left out with a note, not failed.
+    from kernelforge.bench.suites import SUITES
+
+    monkeypatch.setenv("KERNELFORGE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(SUITES["attention"], "quick_shapes", [(1, 2, 64, 32, True)])  # one FlexAttention compile
+    result = run_bench(["attention", "attention_window", "attention_decode"], ["fp32"], "cpu", quick=True, repeat=2)
+    assert not [r for r in result["rows"] if "error" in r]
+    impls = {}
+    for r in result["rows"]:
+        impls.setdefault((r["op"], r["shape"], r["direction"]), set()).add(r["impl"])
+        assert r["ms"] > 0 and r["gbps"] > 0
+        assert r["op"] == "attention_decode" or (r["tflops"] > 0 and r["pct_of_ceiling"] > 0)  # fp32: CPU ceiling
+    ours = {"kernelforge", "kernelforge[reference]"}
+    assert impls == {
+        ("attention", "1x2x64x32 causal", "fwd"): ours | {"flex attention", "torch eager"},
+        ("attention", "1x2x64x32 causal", "fwd+bwd"): ours | {"torch eager"},
+        ("attention_window", "1x2x256x32 window 64", "fwd"): ours | {"kernelforge block_mask", "flex attention"},
+        ("attention_window", "1x2x256x32 window 64", "fwd+bwd"): ours | {"kernelforge block_mask"},
+        ("attention_decode", "B1 H4/2 Sq1 Sk256 D32", "fwd"): ours | {"sdpa"},
+        ("attention_decode", "B2 H4/4 Sq4 Sk128 D32", "fwd"): ours | {"sdpa"},
+    }
+    left_out = result["meta"]["left_out"]
+    assert left_out["attention"]["sdpa flash: SDPA's flash backend runs on CUDA only"] == 2
+    assert left_out["attention"]["sdpa cudnn: SDPA's cuDNN backend runs on CUDA only"] == 2
+    assert left_out["attention_window"]["flex attention: FlexAttention has no backward on the CPU"] == 1
+    assert "Left out: " in report.markdown(result).split("## attention_decode")[1]
+
+
+def test_attention_baselines_compute_the_same_attention():
+    # Each row of a case computes the same thing: the window suite's window, BlockMask and
+    # FlexAttention mask_mod agree, as do causal attention in ours, Flex and the math SDPA.
+    from kernelforge.bench.suites import SUITES
+
+    for op, impls in (("attention", ("torch eager", "flex attention")),
+                      ("attention_window", ("kernelforge block_mask", "flex attention")),
+                      ("attention_decode", ("sdpa",))):
+        suite = SUITES[op]
+        inputs = suite.make_inputs(suite.quick_shapes[0], torch.float32, torch.device("cpu"))
+        candidates = {**suite.variants(), **suite.baselines()}
+        expected = suite.kernelforge(*inputs)
+        for name in impls:
+            torch.testing.assert_close(candidates[name](*inputs), expected, atol=2e-5, rtol=1e-4, msg=f"{op} {name}")
+
+
+def test_attention_costs():
+    from kernelforge.bench.roofline import Ceilings
+    from kernelforge.bench.suites import SUITES
+
+    suite = SUITES["attention"]
+    assert all(B * S == 16384 and H == 16 and D in (64, 128) for B, H, S, D, _ in suite.shapes)
+    assert suite.label((2, 16, 8192, 128, True)) == "2x16x8192x128 causal"
+    fwd = suite.cost((2, 16, 8192, 128, True), torch.bfloat16, "fwd")
+    # two matmuls of 2*D flops per (query, key) pair, half the pairs causal; q, k, v, o once
+    assert fwd.flops == 4 * 2 * 16 * 8192 * 8192 * 128 // 2 and fwd.precision == "bf16"
+    assert fwd.bytes == 4 * 2 * 16 * 8192 * 128 * 2
+    both = suite.cost((2, 16, 8192, 128, True), torch.bfloat16, "fwd+bwd")
+    assert both.flops == 3.5 * fwd.flops and both.bytes == 2 * fwd.bytes  # + dO, dq, dk, dv
+    assert suite.cost((2, 16, 8192, 128, False), torch.float16, "fwd").flops == 2 * fwd.flops
+    assert suite.cost((2, 16, 8192, 128, False), torch.float16, "fwd").precision == "fp16"
+
+    window = SUITES["attention_window"].cost((2, 16, 8192, 128, 512), torch.bfloat16, "fwd")
+    # TARGETS.md: FlexAttention's 0.333 ms is 206 TFLOP/s counting the window's FLOPs
+    assert roofline(window, 0.333, Ceilings("gpu", 1.0, {"bf16": 700.0}))["tflops"] == pytest.approx(206.7, abs=0.1)
+
+    decode = SUITES["attention_decode"]
+    assert len(decode.shapes) == 24 and decode.directions == ("fwd",)
+    cost = decode.cost((8, 32, 8, 1, 65536, 128), torch.bfloat16, "fwd")
+    # memory-bound: the K and V caches once (and q, o), against the copy bandwidth
+    assert cost.bytes == (2 * 8 * 8 * 65536 + 2 * 8 * 32 * 1) * 128 * 2 and not cost.compute_bound
+    assert cost.flops == 4 * 8 * 32 * 1 * 65536 * 128
+    assert decode.label((8, 32, 8, 1, 65536, 128)) == "B8 H32/8 Sq1 Sk65536 D128"
+
+
+def test_attention_predicates_see_q_k_v_the_mask_and_the_direction(monkeypatch):
+    # The registry rows of attention ask each backend about (q, k, v), the case's visibility
+    # and the direction: a backend with no backward is not offered for fwd+bwd.
+    from kernelforge import backends
+    from kernelforge.bench.suites import SUITES, kernelforge_implementations
+
+    calls = []
+
+    def forward_only(q, k, v, vis=None, backward=False):
+        calls.append((q.shape, k.shape, v.shape, vis.left, vis.right, backward))
+        return "no backward" if backward else None
+
+    monkeypatch.setattr(backends.implementations("attention")["reference"], "supports", forward_only)
+    suite = SUITES["attention_window"]
+    inputs = suite.make_inputs((1, 2, 256, 32, 64), torch.float32, torch.device("cpu"))
+    assert "kernelforge[reference]" in kernelforge_implementations(suite, inputs, ["reference"], "fwd")
+    assert "kernelforge[reference]" not in kernelforge_implementations(suite, inputs, ["reference"], "fwd+bwd")
+    shape = torch.Size((1, 2, 256, 32))
+    assert calls == [(shape, shape, shape, 64, 0, False), (shape, shape, shape, 64, 0, True)]
