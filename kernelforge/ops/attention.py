@@ -6,7 +6,8 @@ Registered ops (each with a fake implementation):
     kernelforge::flash_attention_backward(grad_out, q, k, v, out, lse, scale, window_left,
         window_right, attn_mask?, block_mask?, block_q, block_k) -> (dq, dk, dv)
 q (B, H, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv); out (B, H, Sq, Dv) in q's dtype; lse
-(B, H, Sq) float32 (float64 for float64). `causal` and `window` travel as one band of key
+(B, H, Sq) float32 (float64 for float64). Every output is dense (contiguous), whatever the
+inputs' strides. `causal` and `window` travel as one band of key
 offsets (window_left / window_right, -1 = unbounded; causal sets window_right to at most 0).
 attn_mask arrives expanded to 4-D (B or 1, H or 1, Sq, Sk). block_mask is a BlockMask's
 tensors (kernelforge.block_mask._TENSOR_FIELDS order; empty for none) with its tile sizes.
@@ -176,7 +177,7 @@ def _forward(q, k, v, scale, vis):
 
 def _backward(grad_out, q, k, v, out, lse, scale, vis):
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     return _launchers(q, k, v, vis, backward=True).flash_backward(grad_out, q, k, v, out, lse, scale, vis)
 
 
@@ -199,7 +200,8 @@ def flash_attention_backward_op(
 @flash_attention_backward_op.register_fake
 def _(grad_out, q, k, v, out, lse, scale, window_left, window_right, attn_mask, block_mask, block_q, block_k):
     check_same(f"{NAME}_backward", "shape", ("grad_out", "out"), (tuple(grad_out.shape), tuple(out.shape)))
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # dense whatever the inputs' layout, as every backend returns them
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 @torch.library.custom_op("kernelforge::flash_attention", mutates_args=())

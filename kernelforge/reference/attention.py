@@ -155,7 +155,8 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         ds = p.mul_(torch.matmul(dog, vc.transpose(-1, -2)).sub_(delta))
         dq += torch.matmul(ds, kc)
         dk[:, :, k0:k1] = torch.matmul(ds.transpose(-1, -2), qg).sum(2)
-    return ((dq * scale).reshape(q.shape).to(q.dtype), (dk * scale).to(k.dtype), dv.to(v.dtype))
+    # dense outputs whatever the inputs' layout (the op's contract)
+    return ((dq * scale).reshape(q.shape).to(q.dtype).contiguous(), (dk * scale).to(k.dtype), dv.to(v.dtype))
 
 
 # ----------------------------------------------------------------------------- CPU entry points

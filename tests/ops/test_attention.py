@@ -203,6 +203,8 @@ def test_opcheck(backend, device):
     k = torch.randn(1, 2, 23, 32, device=device, requires_grad=True)
     v = torch.randn(1, 2, 23, 32, device=device, requires_grad=True)
     mask = torch.rand(19, 23, device=device) > 0.2
+    # (batch, seq, heads, dim) storage seen as (batch, heads, seq, dim), as attention layers pass it
+    q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v))
     with kf.use_backend(backend):
         torch.library.opcheck(torch.ops.kernelforge.flash_attention.default,
                               (q, k, v, 0.2, 5, 0, mask.expand(1, 1, 19, 23), [], 0, 0))
