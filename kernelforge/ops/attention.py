@@ -46,6 +46,8 @@ def _why_not_triton(q, k, v, vis=None, backward=False):
 def _why_not_cuda(q, k, v, vis=None, backward=False):
     from kernelforge.cuda import why_unavailable
 
+    if q.device.type != "cuda":
+        return f"the CUDA extension runs on CUDA tensors, got a {q.device.type} tensor"
     if backward:
         return "the CUDA backend has a forward kernel only (the backward runs on Triton)"
     if vis is not None and (vis.attn_mask is not None or vis.block_mask is not None):

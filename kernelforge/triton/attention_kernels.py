@@ -118,15 +118,19 @@ def _forward_tile(acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n
     else:
         kv_rows = cols[:, None] >= 0
     k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :], mask=kv_rows & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    s = _masked_scores(s, offs_m[:, None], cols[None, :], Sq, Sk, off, LEFT, RIGHT, mask_base, smm, smn,
-                       bits_base, partial_id, MASKED, HAS_LEFT, HAS_RIGHT, MASK_KIND, BLOCK_SPARSE, MB_Q, MB_K)
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    if MASKED or MASK_KIND != 0:  # a row may have seen nothing yet: keep exp2 off -inf - -inf
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if MASKED or MASK_KIND != 0:
+        s = _masked_scores(qk * qk_scale, offs_m[:, None], cols[None, :], Sq, Sk, off, LEFT, RIGHT, mask_base,
+                           smm, smn, bits_base, partial_id, MASKED, HAS_LEFT, HAS_RIGHT, MASK_KIND, BLOCK_SPARSE,
+                           MB_Q, MB_K)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet: no -inf - -inf
+        p = tl.math.exp2(s - m_use[:, None])
     else:
+        # scale > 0, so max(qk) * scale is the max of the scaled scores; qk * scale - m is one FMA
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         m_use = m_new
-    p = tl.math.exp2(s - m_use[:, None])
+        p = tl.math.exp2(qk * qk_scale - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_base + cols[:, None] * svn + offs_dv[None, :], mask=kv_rows & (offs_dv[None, :] < HEAD_DIM_V),
