@@ -5,7 +5,8 @@ and cuDNN backends, at TARGETS.md's attention shapes (B*S = 16384 tokens, 16 hea
 
 Times with triton.testing.do_bench (CUDA events, median), forward and backward apart
 (backward = the three backward kernels through flash_backward, from saved out / lse).
-TFLOP/s count 4*B*H*S*S*D forward and 10*B*H*S*S*D backward (2.5x), halved when causal.
+TFLOP/s count 4*B*H*S*S*D forward and 10*B*H*S*S*D backward (2.5x), halved when causal,
+and only the window's S*(window+1) pairs for the sliding-window row.
 Writes attention_sweep.json and prints one table per head dim: the best configuration per
 shape is what kernelforge/triton/attention.py should carry.
 """
@@ -24,7 +25,9 @@ from triton.testing import do_bench
 from kernelforge.reference.attention import Visibility
 from kernelforge.triton import attention as tri
 
-SHAPES = [(16, 1024, False), (4, 4096, False), (4, 4096, True), (2, 8192, False), (2, 8192, True)]
+# (B, S, causal, window left): the last is TARGETS.md's causal sliding window of 512
+SHAPES = [(16, 1024, False, None), (4, 4096, False, None), (4, 4096, True, None), (2, 8192, False, None),
+          (2, 8192, True, None), (2, 8192, True, 512)]
 FORWARD = [tri.TileConfig(m, n, w, s) for (m, n, w, s) in
            [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2),
             (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3)]]
@@ -53,13 +56,13 @@ def main():
     dev, dtype, H = "cuda", torch.bfloat16, 16
     rows = []
     for D in args.dims:
-        for B, S, causal in (SHAPES[:3] if args.quick else SHAPES):
+        for B, S, causal, window in (SHAPES[:3] if args.quick else SHAPES):
             q, k, v = (torch.randn(B, H, S, D, device=dev, dtype=dtype) for _ in range(3))
-            vis = Visibility.of(causal, None)
+            vis = Visibility.of(causal, None if window is None else (window, 0))
             scale = D ** -0.5
-            flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
-            row = dict(D=D, B=B, S=S, causal=causal)
-            for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION"):
+            flops = 4 * B * H * S * (S * (0.5 if causal else 1.0) if window is None else window + 1) * D
+            row = dict(D=D, B=B, S=S, causal=causal, window=window)
+            for name in (("FLASH_ATTENTION", "CUDNN_ATTENTION") if window is None else ()):
                 try:
                     ms = do_bench(lambda: sdpa(name, q, k, v, causal))
                     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
@@ -81,8 +84,9 @@ def main():
             best_fwd = max((c for c in FORWARD if isinstance(fwd[str(c)], float)), key=lambda c: fwd[str(c)])
             tri.FORWARD_TILES[triton.next_power_of_2(D)] = best_fwd
             out, lse = tri.flash_forward(q, k, v, scale, vis)
-            ref = sdpa("FLASH_ATTENTION", q, k, v, causal)
-            row["fwd_max_err_vs_flash"] = (out.float() - ref.float()).abs().max().item()
+            if window is None:
+                ref = sdpa("FLASH_ATTENTION", q, k, v, causal)
+                row["fwd_max_err_vs_flash"] = (out.float() - ref.float()).abs().max().item()
             g = torch.randn_like(out)
             bwd = {}
             for cfg in BACKWARD:
@@ -95,9 +99,9 @@ def main():
             row["bwd"] = bwd
             rows.append(row)
             best_b = max((v for v in bwd.values() if isinstance(v, float)), default=None)
-            print(f"D{D} B{B} S{S} causal={causal}: flash {row['FLASH_ATTENTION']} cudnn {row['CUDNN_ATTENTION']} "
-                  f"| ours fwd best {fwd[str(best_fwd)]} ({best_fwd}) bwd best {best_b} "
-                  f"| err {row['fwd_max_err_vs_flash']:.3g}", flush=True)
+            print(f"D{D} B{B} S{S} causal={causal} window={window}: flash {row.get('FLASH_ATTENTION')} "
+                  f"cudnn {row.get('CUDNN_ATTENTION')} | ours fwd best {fwd[str(best_fwd)]} ({best_fwd}) "
+                  f"bwd best {best_b} | err {row.get('fwd_max_err_vs_flash', float('nan')):.3g}", flush=True)
             for name, table in (("fwd", fwd), ("bwd", bwd)):
                 print(f"   {name}: " + "; ".join(f"{c.replace('TileConfig', '')}={t}" for c, t in table.items()))
     Path(args.out).mkdir(parents=True, exist_ok=True)
