@@ -4,6 +4,7 @@
     module = get_cuda_compiler().compile_from_file("softmax_cuda.cu", "my_softmax")
     softmax = get_cuda_softmax()          # a SoftMaxOp over the last dimension
     y = softmax.forward(x); dx = softmax.backward(dy, y)
+    out = flash_attention(q, k, v, scale=0.125)   # (B, H, S, D) float16 / bfloat16
 
 Importing this package builds nothing; extensions are built on first use (or ahead of
 time with `kernelforge build`).
@@ -35,6 +36,15 @@ def get_cuda_softmax(log: bool = False):
     return _get(log)
 
 
+def flash_attention(q, k, v, scale: float = 0.125, causal: bool = False):
+    """softmax(scale * q k^T) v on the CUDA flash-attention kernel (FlashAttention-2 scheme on
+    tensor cores): q (B, H, Sq, D), k and v (B, Hkv, Sk, D), float16 / bfloat16, D in 32, 64,
+    96, 128, 256. The raw kernel, no autograd (kernelforge's attention op has that)."""
+    from kernelforge.cuda.attention import flash_attention as _flash_attention
+
+    return _flash_attention(q, k, v, scale, causal)
+
+
 def __getattr__(name):  # SoftMaxOp without importing torch's extension machinery eagerly
     if name == "SoftMaxOp":
         from kernelforge.cuda.softmax import SoftMaxOp
@@ -43,5 +53,5 @@ def __getattr__(name):  # SoftMaxOp without importing torch's extension machiner
     raise AttributeError(name)
 
 
-__all__ = ["CUDABuildError", "CUDACompiler", "EXTENSIONS", "SoftMaxOp", "get_cuda_compiler",
+__all__ = ["CUDABuildError", "CUDACompiler", "EXTENSIONS", "SoftMaxOp", "flash_attention", "get_cuda_compiler",
            "get_cuda_softmax", "why_unavailable"]

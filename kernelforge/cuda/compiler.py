@@ -43,6 +43,7 @@ EXTENSIONS: dict[str, Extension] = {
     "softmax": Extension("softmax", ("softmax_cuda.cu", "softmax_binding.cpp")),
     "norms": Extension("norms", ("norms_forward.cu", "norms_backward.cu", "norms_binding.cpp")),
     "activations": Extension("activations", ("activations_cuda.cu", "activations_binding.cpp")),
+    "attention": Extension("attention", ("attention_forward.cu", "attention_binding.cpp")),
 }
 
 
