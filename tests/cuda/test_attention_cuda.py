@@ -205,6 +205,8 @@ def _readable_in_place(t: torch.Tensor) -> bool:  # the binding's rule (attentio
 def run_emulated(exe, q, k, v, scale, causal, wl, wr, copies="eager", order="rr", tmp_path=None):
     """What the binding + kernel compute, run by the emulator (q, k, v CPU tensors)."""
     B, H, Sq, D = q.shape
+    if scale < 0:  # as the binding does: softmax(|scale| * (-q) . k)
+        q, scale = -q, -scale
     header = [B, H, k.shape[1], Sq, k.shape[2], D, 1 if q.dtype == torch.float16 else 2, int(causal), wl, wr]
     blobs = []
     for t in (q, k, v):
@@ -277,6 +279,14 @@ def test_emulated_kernel_reads_strided_views(emulator, tmp_path, layout, d, dtyp
     q, k, v = make_inputs(2, 4, 2, 140, 140, d, dtype, "cpu", layout)
     out, lse = run_emulated(emulator, q, k, v, d ** -0.5, True, -1, -1, tmp_path=tmp_path)
     check(out, lse, q, k, v, d ** -0.5, True, -1, -1, f"{layout} d={d}")
+
+
+@pytest.mark.parametrize("scale", [-0.2, 0.0, 1e-35])
+def test_emulated_kernel_takes_any_finite_scale(emulator, tmp_path, scale):
+    # Negative: the binding negates q; zero and denormal: uniform over the visible keys.
+    q, k, v = make_inputs(1, 2, 1, 100, 150, 64, torch.float16, "cpu")
+    out, lse = run_emulated(emulator, q, k, v, scale, True, 40, -1, tmp_path=tmp_path)
+    check(out, lse, q, k, v, scale, True, 40, -1, f"scale {scale}")
 
 
 def test_shared_memory_table_matches_the_tiles(emulator):

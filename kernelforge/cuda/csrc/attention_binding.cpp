@@ -5,6 +5,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <tuple>
@@ -90,7 +91,11 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q_in, const at::Ten
   // that is not a multiple of 8) are copied once into a fresh (aligned) tensor: contiguous()
   // would return a contiguous but misaligned view unchanged. Every other layout is read as it is.
   const auto fresh = [](const at::Tensor& t) { return t.clone(at::MemoryFormat::Contiguous); };
-  const at::Tensor q = readable_in_place(q_in) ? q_in : fresh(q_in);
+  TORCH_CHECK(std::isfinite(scale), "kernelforge ", kOp, ": scale must be finite, got ", std::to_string(scale));
+  // The kernel's softmax takes the max of the raw scores, so it needs scale >= 0: a negative
+  // scale is served as softmax(|scale| * (-q) . k), with -q in a new tensor (exact).
+  const bool negate = scale < 0;
+  const at::Tensor q = negate ? q_in.neg() : readable_in_place(q_in) ? q_in : fresh(q_in);
   const at::Tensor k = kv_len == 0 || readable_in_place(k_in) ? k_in : fresh(k_in);
   const at::Tensor v = kv_len == 0 || readable_in_place(v_in) ? v_in : fresh(v_in);
 
@@ -106,7 +111,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q_in, const at::Ten
   a.out = out.data_ptr(), a.lse = lse.data_ptr<float>();
   a.batch = batch, a.heads = heads, a.kv_heads = kv_heads, a.q_len = q_len, a.kv_len = kv_len, a.head_dim = head_dim;
   a.dtype = q.scalar_type() == at::kHalf ? kernelforge::DType::kFloat16 : kernelforge::DType::kBFloat16;
-  a.scale = static_cast<float>(scale);
+  a.scale = static_cast<float>(negate ? -scale : scale);
   a.causal = causal, a.window_left = window_left, a.window_right = window_right;
   check_launch(kat::attention_forward(a, at::cuda::getCurrentCUDAStream()), kOp);
   return {out, lse};

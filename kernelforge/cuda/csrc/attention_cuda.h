@@ -20,7 +20,8 @@
 // attention_forward launches asynchronously on `stream` and returns cudaGetLastError()
 // after the launch: cudaSuccess without launching when batch, heads or q_len is 0;
 // cudaErrorInvalidValue for anything outside the above (sizes, strides, alignment, dtype,
-// head_dim, kv_heads not dividing heads, batch or heads > kMaxGridDim, lengths > kMaxSeqLen).
+// head_dim, kv_heads not dividing heads, batch or heads > kMaxGridDim, lengths > kMaxSeqLen,
+// a scale that is negative or not finite).
 #pragma once
 
 #include <cstdint>
@@ -46,7 +47,7 @@ struct AttentionForwardArgs {
   float* lse = nullptr;  // dense (batch, heads, q_len)
   int64_t batch = 0, heads = 0, kv_heads = 0, q_len = 0, kv_len = 0, head_dim = 0;
   DType dtype = DType::kFloat16;  // kFloat16 or kBFloat16
-  float scale = 1.f;
+  float scale = 1.f;  // finite and >= 0 (for a negative scale, pass -q and -scale)
   bool causal = false;
   int64_t window_left = -1, window_right = -1;  // < 0: no limit on that side
 };

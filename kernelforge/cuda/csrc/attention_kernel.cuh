@@ -54,7 +54,7 @@ struct FwdParams {
   // off = Sk - Sq, lo_shift = off - window_left and hi_shift = off + window_right (off when
   // causal), -kMaxShift / kMaxShift for a side without limit, clamped to that range.
   int lo_shift, hi_shift;
-  float scale_log2;  // scale * log2(e)
+  float scale_log2;  // scale * log2(e), > 0 (the softmax takes the max of the raw scores)
 };
 
 // WARPS warps of MT m-tiles (16 rows each): BM = 16 * MT * WARPS query rows per CTA. Two
@@ -119,9 +119,12 @@ __device__ __forceinline__ void copy_rows_async(typename Tile::T* smem, const ty
 
 // Online softmax of one S tile (NT 16x8 tiles of this warp) into P, in place. Lane (g, t)
 // holds rows g (r = 0) and g + 8 (r = 1), keys key0 + 8 nt + {0, 1} (key0 = n0 + 2t).
-// MASK: keys outside [lo[r], hi[r]] (window, causal and Sk bounds of the row) become -inf.
-// The exp reference is the running max, or 0 while the row has seen no visible key, so a
-// masked row gives P = 0 and rescales by 0 (2^-inf) instead of computing -inf - -inf.
+// row_max is the running max of the raw scores q.k (scale_log2 > 0, so it is also the max
+// of the scaled ones), and P = 2^(s * scale_log2 - ref) is one FFMA and one ex2 per score,
+// ref = row_max * scale_log2 (FlashAttention-2's folding). MASK: keys outside [lo[r], hi[r]]
+// (window, causal and Sk bounds of the row) become -inf, so P = 0 there. ref is 0 while a
+// row has seen no visible key, so such a row gives P = 0 and rescales by 2^-inf = 0
+// instead of computing -inf - -inf.
 template <bool MASK, int NT, int DT>
 __device__ __forceinline__ void online_softmax(float (&s)[NT][4], float (&o)[DT][4], float (&row_max)[2],
                                                float (&row_sum)[2], float scale_log2, int key0, const int (&lo)[2],
@@ -134,24 +137,22 @@ __device__ __forceinline__ void online_softmax(float (&s)[NT][4], float (&o)[DT]
     for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        float x = s[nt][2 * r + e] * scale_log2;
         if constexpr (MASK) {
-          if (8 * nt + e < lo_rel || 8 * nt + e > hi_rel) x = kNegInf;
+          if (8 * nt + e < lo_rel || 8 * nt + e > hi_rel) s[nt][2 * r + e] = kNegInf;
         }
-        s[nt][2 * r + e] = x;
-        m = fmaxf(m, x);
+        m = fmaxf(m, s[nt][2 * r + e]);
       }
     }
     m = quad_max(m);
-    const float ref = m == kNegInf ? 0.f : m;
-    const float alpha = fast_exp2(row_max[r] - ref);
+    const float ref = m == kNegInf ? 0.f : m * scale_log2;
+    const float alpha = fast_exp2(fmaf(row_max[r], scale_log2, -ref));  // 0 while row_max = -inf
     row_max[r] = m;
     float sum = 0.f;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float pv = fast_exp2(s[nt][2 * r + e] - ref);
+        const float pv = fast_exp2(fmaf(s[nt][2 * r + e], scale_log2, -ref));
         s[nt][2 * r + e] = pv;
         sum += pv;
       }
@@ -185,8 +186,14 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocks) flash_fwd_ke
 
   const T* q = static_cast<const T*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride;
   const int kv_head = head / p.group;
-  const T* k = static_cast<const T*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
-  const T* v = static_cast<const T*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
+  // K and V of this CTA's kv head. Recomputed at each tile from opaque copies of the indices:
+  // two 64-bit pointers held across the key loop cost the 4 registers d = 128 lacks.
+  const auto k_head = [&] {
+    return static_cast<const T*>(p.k) + opaque(batch) * p.k_batch_stride + opaque(kv_head) * p.k_head_stride;
+  };
+  const auto v_head = [&] {
+    return static_cast<const T*>(p.v) + opaque(batch) * p.v_batch_stride + opaque(kv_head) * p.v_head_stride;
+  };
 
   // Key tiles any row of this CTA sees: [n_first, n_last]; none when the range is empty.
   const int m_last = (m0 + BM < q_len ? m0 + BM : q_len) - 1;
@@ -216,7 +223,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocks) flash_fwd_ke
 
   if (n_first <= n_last) {
     copy_rows_async<Tile, BM>(sQ, q, p.q_row_stride, m0, q_len, tid);
-    copy_rows_async<Tile, BN>(sK, k, p.k_row_stride, n_last * BN, kv_len, tid);
+    copy_rows_async<Tile, BN>(sK, k_head(), p.k_row_stride, n_last * BN, kv_len, tid);
     cp_async_commit();
 
     uint32_t q_regs[Tile::kQInRegs ? MT : 1][Tile::kQInRegs ? kSteps : 1][4];
@@ -234,7 +241,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocks) flash_fwd_ke
       const int n0 = n * BN;
       cp_async_wait<0>();
       block_sync();  // K(n) landed for every thread; every warp is done reading V(n + 1)
-      copy_rows_async<Tile, BN>(sV, v, p.v_row_stride, n0, kv_len, tid);
+      copy_rows_async<Tile, BN>(sV, v_head(), p.v_row_stride, n0, kv_len, tid);
       cp_async_commit();
 
       float s[MT][kKeyTiles][4];
@@ -287,7 +294,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocks) flash_fwd_ke
       cp_async_wait<0>();
       block_sync();  // V(n) landed; every warp is done reading K(n)
       if (n > n_first) {
-        copy_rows_async<Tile, BN>(sK, k, p.k_row_stride, n0 - BN, kv_len, tid);
+        copy_rows_async<Tile, BN>(sK, k_head(), p.k_row_stride, n0 - BN, kv_len, tid);
         cp_async_commit();
       }
 
@@ -334,7 +341,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocks) flash_fwd_ke
       }
       if (t == 0 && warp_row + row < q_len) {
         p.lse[head_row * q_len + warp_row + row] =
-            sum > 0.f ? (row_max[mt][r] + log2f(sum)) * 0.6931471805599453f : kNegInf;
+            sum > 0.f ? fmaf(row_max[mt][r], p.scale_log2, log2f(sum)) * 0.6931471805599453f : kNegInf;
       }
     }
   }
@@ -388,6 +395,7 @@ inline bool args_valid(const cuda_attention::AttentionForwardArgs& a) {
   if (a.batch > kMaxGridDim || a.heads > kMaxGridDim || a.q_len > kMaxSeqLen || a.kv_len > kMaxSeqLen) return false;
   if (a.heads % a.kv_heads != 0 || !cuda_attention::supports_head_dim(a.head_dim)) return false;
   if (a.dtype != DType::kFloat16 && a.dtype != DType::kBFloat16) return false;
+  if (!(a.scale >= 0.f && a.scale <= 3.4e38f)) return false;  // finite, not negative (the binding negates q)
   if (!a.out || !a.lse || !a.q || !aligned16(a.q) || !aligned16(a.out)) return false;
   if (a.kv_len > 0 && (!a.k || !a.v || !aligned16(a.k) || !aligned16(a.v))) return false;
   for (int64_t s : {a.q_batch_stride, a.q_head_stride, a.q_row_stride, a.k_batch_stride, a.k_head_stride,
@@ -415,7 +423,10 @@ inline FwdParams make_fwd_params(const cuda_attention::AttentionForwardArgs& a) 
   const int64_t left = a.window_left < far ? a.window_left : far, right = a.window_right < far ? a.window_right : far;
   p.lo_shift = left >= 0 ? clamp_shift(off - left) : -kMaxShift;
   p.hi_shift = a.causal ? clamp_shift(off) : right >= 0 ? clamp_shift(off + right) : kMaxShift;
+  // A zero scale (uniform attention) becomes a tiny positive one: 2^(s * 1e-30 - ref) is 1 to
+  // the last bit for every finite score, and masked scores stay -inf (where -inf * 0 is NaN).
   p.scale_log2 = a.scale * 1.4426950408889634f;
+  if (!(p.scale_log2 >= 1e-30f)) p.scale_log2 = 1e-30f;
   return p;
 }
 

@@ -118,6 +118,15 @@ __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
+// x, through a register copy the compiler cannot see through: values derived from it are
+// recomputed where they are used instead of being hoisted out of a loop and kept live in
+// registers across it (the key loop of the attention kernels has none to spare).
+__device__ __forceinline__ int opaque(int x) {
+  int y;
+  asm volatile("mov.b32 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+
 // The block's dynamic shared memory (16-byte aligned).
 __device__ __forceinline__ unsigned char* dynamic_smem() {
   extern __shared__ __align__(16) unsigned char kf_attention_smem[];

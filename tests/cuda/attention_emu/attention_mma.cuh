@@ -420,6 +420,8 @@ inline uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
   return r;
 }
 
+inline int opaque(int x) { return x; }
+
 inline unsigned char* dynamic_smem() { return kf_emu::st().smem.data(); }
 
 }  // namespace attention
