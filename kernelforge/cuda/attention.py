@@ -100,3 +100,12 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     if reason is not None:
         raise ValueError(f"kernelforge.cuda.flash_attention: {reason}")
     return attention_forward(q, k, v, scale, causal, -1, -1)[0]
+
+
+def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, vis) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention backend interface (kernelforge/ops/attention.py): `vis` is a
+    kernelforge.reference.attention.Visibility whose band (causal folded into its right
+    reach) maps onto the kernel's window; the ops layer sends no attn_mask / block_mask here."""
+    left = -1 if vis.left is None else vis.left
+    right = -1 if vis.right is None else vis.right
+    return attention_forward(q, k, v, scale, False, left, right)
