@@ -336,7 +336,7 @@ def test_matches_reference(case, d, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f16", "bf16"])
 def test_strided_views(layout, d, dtype):
     q, k, v = make_inputs(2, 8, 2, 1000, 1000, d, dtype, "cuda", layout)
-    assert not q.is_contiguous()
+    assert not q.is_contiguous() or q.storage_offset() % 8 != 0
     for causal in (False, True):
         out, lse = cuda_attention.attention_forward(q, k, v, 0.1, causal, -1, -1)
         check(out, lse, q, k, v, 0.1, causal, -1, -1, f"{layout} d={d} causal={causal}")

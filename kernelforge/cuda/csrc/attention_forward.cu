@@ -12,11 +12,13 @@
 //     of a kv head next to each other), so L2 -> SM traffic is ~2 * B * H * ceil(Sq / BM) *
 //     Sk * D * E: with BM = 128, 128 FLOPs per byte, ~2.6 TB/s of L2 bandwidth at 330 TFLOP/s.
 //   Shared memory -> registers: each warp reads every K and V tile once per key tile, so
-//     32 query rows per warp give 32 FLOPs per ldmatrix byte (~45% of an H100 SM's 128
-//     B / clock at 330 TFLOP/s); 16 rows per warp would need ~90%.
-//   Compute bound beyond a few hundred keys: per score two mma chains plus ~6 fp32 ops and
-//   one ex2, so at D <= 64 the exponentials (16 / clock / SM) and the softmax bookkeeping
-//   rather than the tensor cores set the pace.
+//     32 query rows per warp (D <= 128) give 32 FLOPs per ldmatrix byte (~45% of an H100
+//     SM's 128 B / clock at 330 TFLOP/s); 16 rows per warp (D = 256, where O leaves no
+//     registers for more) need ~80%.
+//   Compute bound beyond a few hundred keys: per score 4 * D tensor FLOPs against ~5 fp32
+//   ops (max, FFMA, sum, half a conversion, O rescale share) and one ex2 (16 per clock per
+//   SM), so the softmax share of the work doubles at D = 64 and again at D = 32, which run
+//   below the D = 128 rate.
 #include "attention_cuda.h"
 
 #include "attention_kernel.cuh"
