@@ -59,8 +59,8 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q_in, const at::Ten
   TORCH_CHECK(kat::supports_head_dim(head_dim), "kernelforge ", kOp,
               ": head_dim (q.size(3)) must be 32, 64, 96, 128 or 256, got ", std::to_string(head_dim));
   TORCH_CHECK(k_in.size(0) == batch && k_in.size(3) == head_dim, "kernelforge ", kOp, ": k must have shape [",
-              std::to_string(batch), ", kv_heads, kv_len, ", std::to_string(head_dim), "] (q's batch and head_dim), got ",
-              list(k_in.sizes()));
+              std::to_string(batch), ", kv_heads, kv_len, ", std::to_string(head_dim),
+              "] (q's batch and head_dim), got ", list(k_in.sizes()));
   TORCH_CHECK(v_in.sizes() == k_in.sizes(), "kernelforge ", kOp, ": v must have the shape of k, ", list(k_in.sizes()),
               ", got ", list(v_in.sizes()));
   TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0, "kernelforge ", kOp, ": the number of q heads (",

@@ -405,7 +405,9 @@ inline bool args_valid(const cuda_attention::AttentionForwardArgs& a) {
   return true;
 }
 
-inline int clamp_shift(int64_t s) { return static_cast<int>(s < -kMaxShift ? -kMaxShift : s > kMaxShift ? kMaxShift : s); }
+inline int clamp_shift(int64_t s) {
+  return static_cast<int>(s < -kMaxShift ? -kMaxShift : s > kMaxShift ? kMaxShift : s);
+}
 
 // Kernel parameters of valid arguments. Key j visible to query i iff i + lo_shift <= j <=
 // i + hi_shift: off = Sk - Sq, lo_shift = off - window_left, hi_shift = off when causal
