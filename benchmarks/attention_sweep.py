@@ -30,7 +30,7 @@ SHAPES = [(16, 1024, False, None), (4, 4096, False, None), (4, 4096, True, None)
           (2, 8192, True, None), (2, 8192, True, 512)]
 FORWARD = [tri.TileConfig(m, n, w, s) for (m, n, w, s) in
            [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2),
-            (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3)]]
+            (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3)]]
 BACKWARD = [tri.TileConfig(m, n, w, s) for (m, n, w, s) in
             [(64, 128, 8, 2), (64, 64, 4, 2), (64, 128, 8, 3), (128, 128, 8, 2), (32, 128, 4, 2),
              (64, 64, 4, 3), (128, 64, 8, 2)]]
@@ -74,7 +74,7 @@ def main():
                     row[name] = str(err)[:80]
             fwd = {}
             for cfg in FORWARD:
-                tri.FORWARD_TILES[triton.next_power_of_2(D)] = cfg
+                tri.FORWARD_TILES[triton.next_power_of_2(D)] = tri.WINDOW_FORWARD_TILE = cfg
                 try:
                     ms = do_bench(lambda: tri.flash_forward(q, k, v, scale, vis))
                     fwd[str(cfg)] = round(tflops(flops, ms), 1)
@@ -82,7 +82,7 @@ def main():
                     fwd[str(cfg)] = str(err)[:80]
             row["fwd"] = fwd
             best_fwd = max((c for c in FORWARD if isinstance(fwd[str(c)], float)), key=lambda c: fwd[str(c)])
-            tri.FORWARD_TILES[triton.next_power_of_2(D)] = best_fwd
+            tri.FORWARD_TILES[triton.next_power_of_2(D)] = tri.WINDOW_FORWARD_TILE = best_fwd
             out, lse = tri.flash_forward(q, k, v, scale, vis)
             if window is None:
                 ref = sdpa("FLASH_ATTENTION", q, k, v, causal)

@@ -63,6 +63,11 @@ BACKWARD_TILES = {
     128: TileConfig(64, 64, 4, 2),
     256: TileConfig(32, 64, 4, 1),
 }
+# A bounded left reach (sliding window) leaves each query tile a short run of key tiles, and
+# the rows of a tile reach (window + BLOCK_M) keys for window useful ones: 64-row tiles waste
+# half as much as 128-row ones. Causal window 512 at S = 8192, d128 (H200): 64x64 / 4 warps
+# 272 TFLOP/s counting the window's pairs, 128x64 / 8 warps 231 (attention_sweep.json).
+WINDOW_FORWARD_TILE = TileConfig(64, 64, 4, 3)
 INTERPRETER_TILE = TileConfig(32, 32, 4, 1)  # the CPU interpreter: small tiles, few wasted rows
 
 
@@ -76,7 +81,10 @@ def _config(table, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visib
     if interpreter_enabled() and q.device.type == "cpu":
         cfg = INTERPRETER_TILE
     else:
-        cfg = table[max(_pow2(q.shape[-1]), _pow2(v.shape[-1]))]
+        dim = max(_pow2(q.shape[-1]), _pow2(v.shape[-1]))
+        cfg = table[dim]
+        if table is FORWARD_TILES and vis.left is not None and dim <= 128:
+            cfg = WINDOW_FORWARD_TILE
     if vis.block_mask is not None:  # kernel tiles must divide the mask's tiles
         cfg = TileConfig(min(cfg.block_m, vis.block_mask.block_q), min(cfg.block_n, vis.block_mask.block_k),
                          cfg.num_warps, cfg.num_stages)
