@@ -39,7 +39,8 @@ for stage in $stages; do
       status=$(( status | $? ))
       grep -E "^(FAILED|ERROR)" "$R/gpu-tests.log" | head -60; tail -n 2 "$R/gpu-tests.log" "$R/gpu-tests-timing.log" ;;
     focus)
-      timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 8 $FOCUS_TESTS > "$R/gpu-focus-tests.log" 2>&1
+      timeout "${FOCUS_TIMEOUT:-420}" python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 8 --durations=15 $FOCUS_TESTS \
+        > "$R/gpu-focus-tests.log" 2>&1
       status=$(( status | $? ))
       grep -E "^(FAILED|ERROR)" "$R/gpu-focus-tests.log" | head -40; tail -n 2 "$R/gpu-focus-tests.log" ;;
     attention-sweep)
