@@ -24,10 +24,15 @@ BlockMask is built, not in every kernel.
 
 Layout (Bm, Hm are 1 or the batch / head count, broadcast like a mask):
   kv_counts  (Bm, Hm, QB)      int32  tiles to visit for query tile qb
-  kv_blocks  (Bm, Hm, QB, KB)  int32  their key-tile indices, ascending (first kv_counts valid)
+  kv_full    (Bm, Hm, QB)      int32  how many of them are full: they come first in the list
+  kv_blocks  (Bm, Hm, QB, KB)  int32  their key-tile indices: the full tiles ascending, then
+                                      the partial ones ascending (first kv_counts valid)
   kv_partial (Bm, Hm, QB, KB)  int32  for each listed tile, -1 if full, else its partial id
-  q_counts, q_blocks, q_partial: the same lists per key tile (the transpose), which the
-      backward's dK/dV pass walks
+  q_counts, q_full, q_blocks, q_partial: the same lists per key tile (the transpose), which
+      the backward's dK/dV pass walks
+The kernels walk the full tiles in one loop without per-element masking or branches (so
+their loads pipeline), then the partial ones. A tile is full only when it lies wholly
+inside Sq x Sk: tiles at the tails are partial, so the full loop needs no bounds checks.
   partial_masks (P, block_q, block_k) uint8: element bits of partial tile p (rows past Sq
       and columns past Sk are 0)
 """
@@ -61,6 +66,8 @@ class BlockMask:
     q_blocks: torch.Tensor
     q_partial: torch.Tensor
     partial_masks: torch.Tensor
+    kv_full: torch.Tensor
+    q_full: torch.Tensor
 
     # --------------------------------------------------------------- construction
     @staticmethod
@@ -68,10 +75,10 @@ class BlockMask:
                    block_q: int, block_k: int) -> "BlockMask":
         """From a (Bm, Hm, QB, KB) table of EMPTY / FULL / partial id and the partial bits."""
         listed = kinds != EMPTY
-        kv_counts, kv_blocks, kv_partial = _lists(listed, kinds)
-        q_counts, q_blocks, q_partial = _lists(listed.transpose(-1, -2), kinds.transpose(-1, -2))
+        kv_counts, kv_blocks, kv_partial, kv_full = _lists(listed, kinds)
+        q_counts, q_blocks, q_partial, q_full = _lists(listed.transpose(-1, -2), kinds.transpose(-1, -2))
         return BlockMask(q_len, kv_len, block_q, block_k, kv_counts, kv_blocks, kv_partial,
-                         q_counts, q_blocks, q_partial, partial_masks.to(torch.uint8).contiguous())
+                         q_counts, q_blocks, q_partial, partial_masks.to(torch.uint8).contiguous(), kv_full, q_full)
 
     @staticmethod
     def from_dense(mask: torch.Tensor, block_q: int = 128, block_k: int = 128) -> "BlockMask":
@@ -116,10 +123,9 @@ class BlockMask:
             bits = (bits.to(torch.bool) & inside).expand(Bm, Hm, block_q, KB * block_k)
             tiles = bits.reshape(Bm, Hm, block_q, KB, block_k).permute(0, 1, 3, 2, 4)  # (Bm,Hm,KB,bq,bk)
             count = tiles.sum(dim=(-1, -2))
-            # a tile is full when every in-range pair is visible (the tails are handled by
-            # the kernels' bounds checks, not by the mask)
-            valid = inside.expand(1, 1, block_q, KB * block_k).reshape(block_q, KB, block_k).sum(dim=(0, 2))
-            full = count == valid.view(1, 1, KB)
+            # full: every pair visible and the tile wholly inside Sq x Sk (tail tiles are
+            # partial, their bits zero past the tails: the kernels' full loop checks no bounds)
+            full = count == block_q * block_k
             partial = (count > 0) & ~full
             kind = torch.where(full, FULL, EMPTY).to(torch.int32)
             n_new = int(partial.sum())
@@ -185,22 +191,26 @@ class BlockMask:
                 f"density={self.density():.3f}, partial_tiles={n_partial})")
 
 
-_TENSOR_FIELDS = ("kv_counts", "kv_blocks", "kv_partial", "q_counts", "q_blocks", "q_partial", "partial_masks")
+_TENSOR_FIELDS = ("kv_counts", "kv_blocks", "kv_partial", "q_counts", "q_blocks", "q_partial", "partial_masks",
+                  "kv_full", "q_full")
 
 
 def _lists(listed: torch.Tensor, kinds: torch.Tensor):
-    """Per row of a (…, R, C) table: how many entries are listed, their column indices in
-    ascending order (padded with 0), and their kinds (padded with EMPTY)."""
+    """Per row of a (…, R, C) table: how many entries are listed, their column indices (the
+    full ones ascending, then the partial ones ascending; padded with 0), their kinds
+    (padded with EMPTY), and how many are full."""
     C = listed.shape[-1]
     counts = listed.sum(-1, dtype=torch.int32)
+    full = (kinds == FULL).sum(-1, dtype=torch.int32)
     column = torch.arange(C, device=listed.device, dtype=torch.int32).expand_as(listed)
-    # listed columns first, in order: sort by (not listed, column)
-    order = torch.argsort(torch.where(listed, column, column + C), dim=-1)
+    # sort key: full tiles, then partial ones, then the unlisted, each group by column
+    group = torch.where(kinds == FULL, 0, torch.where(listed, 1, 2))
+    order = torch.argsort(group * C + column, dim=-1)
     blocks = torch.gather(column, -1, order)
     kept = torch.arange(C, device=listed.device) < counts.unsqueeze(-1)
     blocks = torch.where(kept, blocks, 0).to(torch.int32).contiguous()
     partial = torch.where(kept, torch.gather(kinds, -1, order), EMPTY).to(torch.int32).contiguous()
-    return counts.contiguous(), blocks, partial
+    return counts.contiguous(), blocks, partial, full.contiguous()
 
 
 # ----------------------------------------------------------------------------- patterns

@@ -107,21 +107,21 @@ def _mask_args(q: torch.Tensor, vis: Visibility):
 
 
 def _block_args(q: torch.Tensor, vis: Visibility, backward_lists: bool):
-    """(counts, blocks, partial, bits, counts strides (b, h), lists strides (b, h), row length,
-    block_q, block_k): the forward's / dQ's per-query-tile lists, or the dK/dV pass's
+    """(counts, full counts, blocks, partial, bits, counts strides (b, h), lists strides (b, h),
+    row length, block_q, block_k): the forward's / dQ's per-query-tile lists, or the dK/dV pass's
     per-key-tile lists."""
     bm = vis.block_mask
     if bm is None:
-        return (q, q, q, q, 0, 0, 0, 0, 1, 16, 16)
+        return (q, q, q, q, q, 0, 0, 0, 0, 1, 16, 16)
     if backward_lists:
-        counts, blocks, partial = bm.q_counts, bm.q_blocks, bm.q_partial
+        counts, full, blocks, partial = bm.q_counts, bm.q_full, bm.q_blocks, bm.q_partial
     else:
-        counts, blocks, partial = bm.kv_counts, bm.kv_blocks, bm.kv_partial
+        counts, full, blocks, partial = bm.kv_counts, bm.kv_full, bm.kv_blocks, bm.kv_partial
 
     def bh(t):
         return tuple(0 if t.shape[d] == 1 else t.stride(d) for d in (0, 1))
 
-    return (counts, blocks, partial, bm.partial_masks, *bh(counts), *bh(blocks), blocks.shape[-1],
+    return (counts, full, blocks, partial, bm.partial_masks, *bh(counts), *bh(blocks), blocks.shape[-1],
             bm.block_q, bm.block_k)
 
 
@@ -146,18 +146,19 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     cfg = _config(FORWARD_TILES, q, k, v, vis)
     mask, mstr, mask_kind = _mask_args(q, vis)
-    counts, blocks, partial, bits, scb, sch, sbb, sbh, nkb, mb_q, mb_k = _block_args(q, vis, False)
+    counts, full, blocks, partial, bits, scb, sch, sbb, sbh, nkb, mb_q, mb_k = _block_args(q, vis, False)
     left, right, has_left, has_right = _band(vis)
     grid = (triton.cdiv(Sq, cfg.block_m), B * H)
     with on_device(q):
         flash_forward_kernel[grid](
-            q, k, v, out, lse, mask, counts, blocks, partial, bits,
+            q, k, v, out, lse, mask, counts, full, blocks, partial, bits,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
             *mstr, scb, sch, sbb, sbh,
             H, H // Hkv, Sq, Sk, Sk - Sq, left, right, scale * LOG2E, nkb,
             HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_LEFT=has_left, HAS_RIGHT=has_right,
-            MASK_KIND=mask_kind, BLOCK_SPARSE=vis.block_mask is not None, MB_Q=mb_q, MB_K=mb_k,
+            HAS_BAND=has_left or has_right, MASK_KIND=mask_kind, BLOCK_SPARSE=vis.block_mask is not None,
+            MB_Q=mb_q, MB_K=mb_k,
             PRECISION=_precision(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return out, lse
@@ -178,23 +179,24 @@ def flash_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     common = dict(HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_LEFT=has_left, HAS_RIGHT=has_right,
-                  MASK_KIND=mask_kind, BLOCK_SPARSE=vis.block_mask is not None, PRECISION=_precision(q),
+                  HAS_BAND=has_left or has_right, MASK_KIND=mask_kind, BLOCK_SPARSE=vis.block_mask is not None,
+                  PRECISION=_precision(q),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     with on_device(q):
         delta_rows = 64
         backward_delta_kernel[(triton.cdiv(Sq, delta_rows), B * H)](
             out, grad_out, delta, *out.stride()[:3], *grad_out.stride()[:3], H, Sq,
             HEAD_DIM_V=Dv, BLOCK_M=delta_rows, BLOCK_DV=_pow2(Dv))
-        counts, blocks, partial, bits, scb, sch, sbb, sbh, nqb, mb_q, mb_k = _block_args(q, vis, True)
+        counts, full, blocks, partial, bits, scb, sch, sbb, sbh, nqb, mb_q, mb_k = _block_args(q, vis, True)
         flash_backward_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
-            q, k, v, grad_out, lse, delta, dk, dv, mask, counts, blocks, partial, bits,
+            q, k, v, grad_out, lse, delta, dk, dv, mask, counts, full, blocks, partial, bits,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
             *dk.stride()[:3], *dv.stride()[:3], *mstr, scb, sch, sbb, sbh,
             H, Hkv, H // Hkv, Sq, Sk, Sk - Sq, left, right, scale * LOG2E, scale, nqb,
             MB_Q=mb_q, MB_K=mb_k, **common)
-        counts, blocks, partial, bits, scb, sch, sbb, sbh, nkb, mb_q, mb_k = _block_args(q, vis, False)
+        counts, full, blocks, partial, bits, scb, sch, sbb, sbh, nkb, mb_q, mb_k = _block_args(q, vis, False)
         flash_backward_dq_kernel[(triton.cdiv(Sq, cfg.block_m), B * H)](
-            q, k, v, grad_out, lse, delta, dq, mask, counts, blocks, partial, bits,
+            q, k, v, grad_out, lse, delta, dq, mask, counts, full, blocks, partial, bits,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], *dq.stride()[:3],
             *mstr, scb, sch, sbb, sbh,
             H, H // Hkv, Sq, Sk, Sk - Sq, left, right, scale * LOG2E, scale, nkb,

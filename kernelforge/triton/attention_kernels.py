@@ -141,14 +141,14 @@ def _forward_tile(acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n
 
 @triton.jit
 def flash_forward_kernel(
-    Q, K, V, O, LSE, MASK, COUNTS, BLOCKS, PARTIAL, BITS,
+    Q, K, V, O, LSE, MASK, COUNTS, FULL, BLOCKS, PARTIAL, BITS,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
     smb, smh, smm, smn, scb, sch, sbb, sbh,
     H, GROUP, Sq, Sk, off, LEFT, RIGHT, qk_scale, NUM_MB_K,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    MASK_KIND: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MB_Q: tl.constexpr, MB_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    HAS_BAND: tl.constexpr, MASK_KIND: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MB_Q: tl.constexpr,
+    MB_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # the heaviest query tiles (causal: the last ones) start first
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -174,23 +174,23 @@ def flash_forward_kernel(
     if BLOCK_SPARSE:
         row = b * scb + h * sch + m0 // MB_Q
         count = tl.load(COUNTS + row)
+        full = tl.load(FULL + row)
         list_base = b * sbb + h * sbh + (m0 // MB_Q) * NUM_MB_K
-        for t in range(count):
+        for t in range(0, full):  # full tiles: inside Sq x Sk, no bits (the band, if any, still masks)
+            kb = tl.load(BLOCKS + list_base + t)
+            for sub in tl.static_range(MB_K // BLOCK_N):
+                acc, m_i, l_i = _forward_tile(
+                    acc, m_i, l_i, q, k_base, v_base, skn, svn, kb * MB_K + sub * BLOCK_N, offs_m, offs_n, offs_d,
+                    offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1,
+                    HEAD_DIM, HEAD_DIM_V, HAS_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
+        for t in range(full, count):  # partial tiles: their bits and every bound
             kb = tl.load(BLOCKS + list_base + t)
             partial_id = tl.load(PARTIAL + list_base + t)
             for sub in tl.static_range(MB_K // BLOCK_N):
-                n0 = kb * MB_K + sub * BLOCK_N
-                if (partial_id < 0) & (n0 + BLOCK_N <= Sk) & (not (HAS_LEFT or HAS_RIGHT)):
-                    # a full tile inside Sk: no per-element masking (the band, if any, still needs it)
-                    acc, m_i, l_i = _forward_tile(
-                        acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
-                        Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, partial_id,
-                        HEAD_DIM, HEAD_DIM_V, False, HAS_LEFT, HAS_RIGHT, MASK_KIND, BLOCK_SPARSE, MB_Q, MB_K, PRECISION)
-                elif n0 < Sk:
-                    acc, m_i, l_i = _forward_tile(
-                        acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
-                        Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, partial_id,
-                        HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, BLOCK_SPARSE, MB_Q, MB_K, PRECISION)
+                acc, m_i, l_i = _forward_tile(
+                    acc, m_i, l_i, q, k_base, v_base, skn, svn, kb * MB_K + sub * BLOCK_N, offs_m, offs_n, offs_d,
+                    offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, partial_id,
+                    HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, True, MB_Q, MB_K, PRECISION)
     else:
         lo, full_lo, full_hi, hi = _row_range(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         for n0 in range(lo, full_lo, BLOCK_N):
@@ -279,15 +279,15 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_row, delta_row, sqm, sdm, m0, 
 
 @triton.jit
 def flash_backward_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, MASK, COUNTS, BLOCKS, PARTIAL, BITS,
+    Q, K, V, DO, LSE, DELTA, DK, DV, MASK, COUNTS, FULL, BLOCKS, PARTIAL, BITS,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm,
     sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
     smb, smh, smm, smn, scb, sch, sbb, sbh,
     H, HKV, GROUP, Sq, Sk, off, LEFT, RIGHT, qk_scale, scale, NUM_MB_Q,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    MASK_KIND: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MB_Q: tl.constexpr, MB_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    HAS_BAND: tl.constexpr, MASK_KIND: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MB_Q: tl.constexpr,
+    MB_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One program per (key tile, batch, kv head): walks the query tiles that see the key
     tile, for every q head of the group in turn, so dK and dV are summed in a fixed order
@@ -316,22 +316,23 @@ def flash_backward_dkdv_kernel(
         mask_base = MASK + b.to(tl.int64) * smb + h.to(tl.int64) * smh
         if BLOCK_SPARSE:
             count = tl.load(COUNTS + b * scb + h * sch + n0 // MB_K)
+            full = tl.load(FULL + b * scb + h * sch + n0 // MB_K)
             list_base = b * sbb + h * sbh + (n0 // MB_K) * NUM_MB_Q
-            for t in range(count):
+            for t in range(0, full):
+                qb = tl.load(BLOCKS + list_base + t)
+                for sub in tl.static_range(MB_Q // BLOCK_M):
+                    dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm,
+                                        qb * MB_Q + sub * BLOCK_M, offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT,
+                                        RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, HEAD_DIM, HEAD_DIM_V,
+                                        HAS_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
+            for t in range(full, count):
                 qb = tl.load(BLOCKS + list_base + t)
                 partial_id = tl.load(PARTIAL + list_base + t)
                 for sub in tl.static_range(MB_Q // BLOCK_M):
-                    m0 = qb * MB_Q + sub * BLOCK_M
-                    if (partial_id < 0) & (m0 + BLOCK_M <= Sq) & (n0 + BLOCK_N <= Sk) & (not (HAS_LEFT or HAS_RIGHT)):
-                        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm, m0,
-                                            offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale,
-                                            mask_base, smm, smn, BITS, partial_id, HEAD_DIM, HEAD_DIM_V, False,
-                                            HAS_LEFT, HAS_RIGHT, MASK_KIND, BLOCK_SPARSE, MB_Q, MB_K, PRECISION)
-                    elif m0 < Sq:
-                        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm, m0,
-                                            offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale,
-                                            mask_base, smm, smn, BITS, partial_id, HEAD_DIM, HEAD_DIM_V, True,
-                                            HAS_LEFT, HAS_RIGHT, MASK_KIND, BLOCK_SPARSE, MB_Q, MB_K, PRECISION)
+                    dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm,
+                                        qb * MB_Q + sub * BLOCK_M, offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT,
+                                        RIGHT, qk_scale, mask_base, smm, smn, BITS, partial_id, HEAD_DIM, HEAD_DIM_V,
+                                        True, HAS_LEFT, HAS_RIGHT, MASK_KIND, True, MB_Q, MB_K, PRECISION)
         else:
             lo, full_lo, full_hi, hi = _col_range(n0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
             for m0 in range(lo, full_lo, BLOCK_M):
@@ -383,14 +384,14 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_
 
 @triton.jit
 def flash_backward_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, MASK, COUNTS, BLOCKS, PARTIAL, BITS,
+    Q, K, V, DO, LSE, DELTA, DQ, MASK, COUNTS, FULL, BLOCKS, PARTIAL, BITS,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm, sdqb, sdqh, sdqm,
     smb, smh, smm, smn, scb, sch, sbb, sbh,
     H, GROUP, Sq, Sk, off, LEFT, RIGHT, qk_scale, scale, NUM_MB_K,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    MASK_KIND: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MB_Q: tl.constexpr, MB_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    HAS_BAND: tl.constexpr, MASK_KIND: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MB_Q: tl.constexpr,
+    MB_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One program per (query tile, batch, head), over the key tiles it sees, as the forward."""
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -417,22 +418,23 @@ def flash_backward_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if BLOCK_SPARSE:
         count = tl.load(COUNTS + b * scb + h * sch + m0 // MB_Q)
+        full = tl.load(FULL + b * scb + h * sch + m0 // MB_Q)
         list_base = b * sbb + h * sbh + (m0 // MB_Q) * NUM_MB_K
-        for t in range(count):
+        for t in range(0, full):
+            kb = tl.load(BLOCKS + list_base + t)
+            for sub in tl.static_range(MB_K // BLOCK_N):
+                dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, kb * MB_K + sub * BLOCK_N, offs_m,
+                              offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS,
+                              -1, HEAD_DIM, HEAD_DIM_V, HAS_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K,
+                              PRECISION)
+        for t in range(full, count):
             kb = tl.load(BLOCKS + list_base + t)
             partial_id = tl.load(PARTIAL + list_base + t)
             for sub in tl.static_range(MB_K // BLOCK_N):
-                n0 = kb * MB_K + sub * BLOCK_N
-                if (partial_id < 0) & (n0 + BLOCK_N <= Sk) & (not (HAS_LEFT or HAS_RIGHT)):
-                    dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d,
-                                  offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, partial_id,
-                                  HEAD_DIM, HEAD_DIM_V, False, HAS_LEFT, HAS_RIGHT, MASK_KIND, BLOCK_SPARSE, MB_Q,
-                                  MB_K, PRECISION)
-                elif n0 < Sk:
-                    dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d,
-                                  offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, partial_id,
-                                  HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, BLOCK_SPARSE, MB_Q,
-                                  MB_K, PRECISION)
+                dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, kb * MB_K + sub * BLOCK_N, offs_m,
+                              offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS,
+                              partial_id, HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, True, MB_Q, MB_K,
+                              PRECISION)
     else:
         lo, full_lo, full_hi, hi = _row_range(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         for n0 in range(lo, full_lo, BLOCK_N):

@@ -25,19 +25,33 @@ def test_dense_round_trip_and_tile_kinds():
     assert torch.equal(bm.element_mask(10, 50, 20, 77), dense[:, :, 10:50, 20:77])
 
 
-def test_lists_are_ascending_and_the_transpose_agrees():
+def _expected_list(kinds_row):
+    """Full tiles ascending, then partial ones ascending: the order the kernels walk."""
+    full = [c for c, kind in enumerate(kinds_row) if kind == FULL]
+    return full + [c for c, kind in enumerate(kinds_row) if kind >= 0], len(full)
+
+
+def test_lists_put_full_tiles_first_and_the_transpose_agrees():
     bm = kf.local_global_block_mask(300, 260, 20, 7, block_q=32, block_k=16)
     kinds = bm.kinds()
+    assert (kinds == FULL).any() and (kinds >= 0).any()
     for qb in range(kinds.shape[2]):
+        expected, n_full = _expected_list(kinds[0, 0, qb].tolist())
         n = bm.kv_counts[0, 0, qb].item()
-        listed = bm.kv_blocks[0, 0, qb, :n].tolist()
-        assert listed == sorted(listed) == [kb for kb in range(kinds.shape[3]) if kinds[0, 0, qb, kb] != EMPTY]
-        assert bm.kv_partial[0, 0, qb, :n].tolist() == [kinds[0, 0, qb, kb].item() for kb in listed]
+        assert bm.kv_blocks[0, 0, qb, :n].tolist() == expected and bm.kv_full[0, 0, qb].item() == n_full
+        assert bm.kv_partial[0, 0, qb, :n].tolist() == [kinds[0, 0, qb, kb].item() for kb in expected]
     for kb in range(kinds.shape[3]):
+        expected, n_full = _expected_list(kinds[0, 0, :, kb].tolist())
         n = bm.q_counts[0, 0, kb].item()
-        listed = bm.q_blocks[0, 0, kb, :n].tolist()
-        assert listed == [qb for qb in range(kinds.shape[2]) if kinds[0, 0, qb, kb] != EMPTY]
-        assert bm.q_partial[0, 0, kb, :n].tolist() == [kinds[0, 0, qb, kb].item() for qb in listed]
+        assert bm.q_blocks[0, 0, kb, :n].tolist() == expected and bm.q_full[0, 0, kb].item() == n_full
+        assert bm.q_partial[0, 0, kb, :n].tolist() == [kinds[0, 0, qb, kb].item() for qb in expected]
+
+
+def test_tiles_at_the_tails_are_never_full():
+    """The kernels' full-tile loop checks no bounds: a tile crossing Sq or Sk must be partial."""
+    bm = kf.BlockMask.from_dense(torch.ones(70, 90, dtype=torch.bool), block_q=32, block_k=32)
+    kinds = bm.kinds()[0, 0]
+    assert torch.all(kinds[:2, :2] == FULL) and torch.all(kinds[2, :] >= 0) and torch.all(kinds[:, 2] >= 0)
 
 
 @pytest.mark.parametrize("Sq,Sk", [(256, 256), (100, 300), (300, 77)])
