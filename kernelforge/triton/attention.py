@@ -87,7 +87,7 @@ def _config(table, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visib
             cfg = WINDOW_FORWARD_TILE
     if vis.block_mask is not None:  # kernel tiles must divide the mask's tiles
         # The block-sparse backward loops (tile lists, sub-tiles) lose to deeper pipelining:
-        # window-512 BlockMask, S=8192, d128 (H200, 29514fe/block-sweep.log): 1 stage 0.95 ms,
+        # window-512 BlockMask, S=8192, d128 (H200, 29514fe/attention_block_sweep.log): 1 stage 0.95 ms,
         # 2 stages 1.27 ms; the dense window path is indifferent (0.81 / 0.81 ms).
         stages = 1 if table is BACKWARD_TILES else cfg.num_stages
         cfg = TileConfig(min(cfg.block_m, vis.block_mask.block_q), min(cfg.block_n, vis.block_mask.block_k),
