@@ -105,6 +105,28 @@ def _col_range(n0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M: tl.constexpr, BLOCK_N: tl.
     return lo, full_lo, full_hi, hi
 
 
+@triton.jit
+def _query_tile(Q, K, V, MASK, sqb, sqh, sqm, skb, skh, svb, svh, smb, smh, H, GROUP, Sq,
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The program of the forward and dQ kernels: one query tile of one (batch, head), the
+    heaviest tiles (causal: the last ones) first. Returns its (batch * head) index, batch,
+    head, first row, row offsets, the query tile, and the bases of its K, V and mask."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqm + offs_d[None, :],
+                mask=(offs_m[:, None] < Sq) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+    v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+    mask_base = MASK + b.to(tl.int64) * smb + h.to(tl.int64) * smh
+    return pid_bh, b, h, m0, offs_m, q, k_base, v_base, mask_base
+
+
 # ----------------------------------------------------------------------------- forward
 @triton.jit
 def _forward_tile(acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
@@ -150,23 +172,11 @@ def flash_forward_kernel(
     HAS_BAND: tl.constexpr, MASK_KIND: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MB_Q: tl.constexpr,
     MB_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # the heaviest query tiles (causal: the last ones) start first
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    hk = h // GROUP
-    m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    pid_bh, b, h, m0, offs_m, q, k_base, v_base, mask_base = _query_tile(
+        Q, K, V, MASK, sqb, sqh, sqm, skb, skh, svb, svh, smb, smh, H, GROUP, Sq, HEAD_DIM, BLOCK_M, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
-    k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
-    v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
-    mask_base = MASK + b.to(tl.int64) * smb + h.to(tl.int64) * smh
-    q = tl.load(q_base + offs_m[:, None] * sqm + offs_d[None, :],
-                mask=(offs_m[:, None] < Sq) & (offs_d[None, :] < HEAD_DIM), other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -394,27 +404,17 @@ def flash_backward_dq_kernel(
     MB_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One program per (query tile, batch, head), over the key tiles it sees, as the forward."""
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    hk = h // GROUP
-    m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    pid_bh, b, h, m0, offs_m, q, k_base, v_base, mask_base = _query_tile(
+        Q, K, V, MASK, sqb, sqh, sqm, skb, skh, svb, svh, smb, smh, H, GROUP, Sq, HEAD_DIM, BLOCK_M, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m[:, None] < Sq
-    q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqm + offs_d[None, :],
-                mask=row_ok & (offs_d[None, :] < HEAD_DIM), other=0.0)
     do = tl.load(DO + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh + offs_m[:, None] * sdm + offs_dv[None, :],
                  mask=row_ok & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
     row = pid_bh.to(tl.int64) * Sq
     lse2 = _lse2(LSE + row, offs_m, Sq)
     delta = tl.load(DELTA + row + offs_m, mask=offs_m < Sq, other=0.0)
-    k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
-    v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
-    mask_base = MASK + b.to(tl.int64) * smb + h.to(tl.int64) * smh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if BLOCK_SPARSE:
         count = tl.load(COUNTS + b * scb + h * sch + m0 // MB_Q)
