@@ -19,7 +19,7 @@ import triton.language as tl
 
 from kernelforge.reference.attention import Visibility
 from kernelforge.triton._launch import on_device, sm_count
-from kernelforge.triton.attention_kernels import LN2, _masked_scores
+from kernelforge.triton.attention_kernels import LN2, _finish_rows, _forward_tile
 
 MAX_ROWS = 64  # GROUP * Sq rows of one tile; beyond this the query-tiled forward is as good
 MIN_KEYS = 512  # shorter caches: one query-tiled program walks them quickly enough
@@ -70,26 +70,12 @@ def decode_split_kernel(
     acc = tl.zeros([ROWS, BLOCK_DV], tl.float32)
     start = split * keys_per_split
     stop = tl.minimum(start + keys_per_split, Sk)
-    for n0 in range(start, stop, BLOCK_N):
-        cols = n0 + offs_n
-        in_range = cols < stop
-        k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :],
-                    mask=in_range[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = _masked_scores(s, i[:, None], cols[None, :], Sq, stop, off, LEFT, RIGHT, mask_base, smm, smn,
-                           MASK, -1, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, 16, 16)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + cols[:, None] * svn + offs_dv[None, :],
-                    mask=in_range[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
-    seen = l_i > 0
-    out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
-    lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    for n0 in range(start, stop, BLOCK_N):  # every tile masked: the range end, the band, the mask
+        acc, m_i, l_i = _forward_tile(
+            acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, i, offs_n, offs_d, offs_dv, Sq, stop, off, LEFT, RIGHT,
+            qk_scale, mask_base, smm, smn, MASK, -1, HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, False,
+            16, 16, PRECISION)
+    out, lse2 = _finish_rows(acc, m_i, l_i)
     # partial buffers: (splits, B, H, Sq[, Dv]) float32, dense
     row = ((split * (tl.num_programs(1) // HKV) + b) * H + h).to(tl.int64) * Sq + i
     tl.store(LSE_PART + row, lse2, mask=row_ok)

@@ -106,6 +106,16 @@ def _col_range(n0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M: tl.constexpr, BLOCK_N: tl.
 
 
 @triton.jit
+def _finish_rows(acc, m_i, l_i):
+    """(out = acc / l, lse in log2 units = m + log2 l) of rows that saw keys; (0, -inf) for
+    rows that saw none."""
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
+    return out, tl.where(seen, m_i + tl.math.log2(l_safe), float("-inf"))
+
+
+@triton.jit
 def _query_tile(Q, K, V, MASK, sqb, sqh, sqm, skb, skh, svb, svh, smb, smh, H, GROUP, Sq,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """The program of the forward and dQ kernels: one query tile of one (batch, head), the
@@ -219,12 +229,9 @@ def flash_forward_kernel(
                 Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1,
                 HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
 
-    seen = l_i > 0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    out = tl.where(seen[:, None], out, 0.0)
-    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    out, lse2 = _finish_rows(acc, m_i, l_i)
     row_ok = offs_m < Sq
-    tl.store(LSE + pid_bh.to(tl.int64) * Sq + offs_m, lse, mask=row_ok)
+    tl.store(LSE + pid_bh.to(tl.int64) * Sq + offs_m, lse2 * LN2, mask=row_ok)
     o_base = O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
     tl.store(o_base + offs_m[:, None] * som + offs_dv[None, :], out.to(O.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
