@@ -156,11 +156,8 @@ def _check_block_mask(block_mask, q: torch.Tensor, k: torch.Tensor) -> None:
 
 
 def _visibility(q, window_left, window_right, attn_mask, block_mask, block_q, block_k, k) -> Visibility:
-    bm = None
-    if block_mask:
-        bm = BlockMask(q.shape[2], k.shape[2], block_q, block_k, *block_mask)
-    return Visibility(None if window_left < 0 else window_left, None if window_right < 0 else window_right,
-                      attn_mask, bm)
+    bm = BlockMask(q.shape[2], k.shape[2], block_q, block_k, *block_mask) if block_mask else None
+    return Visibility.of(False, (window_left, window_right), attn_mask, bm)
 
 
 # ----------------------------------------------------------------------------- implementation
@@ -284,14 +281,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     Returns out (batch, heads, Sq, head_dim_v) in q's dtype [, lse].
     """
     _check_qkv(q, k, v)
-    left, right = _check_window(window)
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    mask = _check_mask(attn_mask, q, k)
     _check_block_mask(block_mask, q, k)
+    vis = Visibility.of(causal, _check_window(window), _check_mask(attn_mask, q, k), block_mask)
     if plain_eager_call(q, k, v):
-        vis = Visibility(None if left < 0 else left, None if right < 0 else right, mask, block_mask)
         if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
             out, lse = _EagerAutograd.apply(q, k, v, scale, vis)
         else:
@@ -299,5 +292,6 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     else:
         tensors = [] if block_mask is None else [getattr(block_mask, f) for f in _TENSOR_FIELDS]
         bq, bk = (0, 0) if block_mask is None else (block_mask.block_q, block_mask.block_k)
-        out, lse = torch.ops.kernelforge.flash_attention(q, k, v, scale, left, right, mask, tensors, bq, bk)
+        left, right = (-1 if w is None else w for w in (vis.left, vis.right))
+        out, lse = torch.ops.kernelforge.flash_attention(q, k, v, scale, left, right, vis.attn_mask, tensors, bq, bk)
     return (out, lse) if return_lse else out
