@@ -99,12 +99,17 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
+def _broadcast_strides(t: torch.Tensor, dims) -> tuple:
+    """t's strides over `dims`, 0 where the size is 1: a broadcast dim is read in place."""
+    return tuple(0 if t.shape[d] == 1 else t.stride(d) for d in dims)
+
+
 def _mask_args(q: torch.Tensor, vis: Visibility):
     """(tensor, strides (b, h, i, j), kind): kind 0 none, 1 bool, 2 additive."""
     mask = vis.attn_mask
     if mask is None:
         return q, (0, 0, 0, 0), 0
-    strides = tuple(0 if mask.shape[d] == 1 else mask.stride(d) for d in range(4))
+    strides = _broadcast_strides(mask, range(4))
     if mask.dtype == torch.bool:
         return mask.view(torch.uint8), strides, 1
     return mask, strides, 2
@@ -121,11 +126,8 @@ def _block_args(q: torch.Tensor, vis: Visibility, backward_lists: bool):
         counts, full, blocks, partial = bm.q_counts, bm.q_full, bm.q_blocks, bm.q_partial
     else:
         counts, full, blocks, partial = bm.kv_counts, bm.kv_full, bm.kv_blocks, bm.kv_partial
-
-    def bh(t):
-        return tuple(0 if t.shape[d] == 1 else t.stride(d) for d in (0, 1))
-
-    return (counts, full, blocks, partial, bm.partial_masks, *bh(counts), *bh(blocks), blocks.shape[-1],
+    return (counts, full, blocks, partial, bm.partial_masks, *_broadcast_strides(counts, (0, 1)),
+            *_broadcast_strides(blocks, (0, 1)), blocks.shape[-1],
             bm.block_q, bm.block_k)
 
 
