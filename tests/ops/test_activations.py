@@ -101,7 +101,13 @@ def leaf_copies(*tensors):
 def compare_with_oracle(what, ours_fn, torch_fn, inputs, reduced_over_rows=()):
     """Run ours (under the forced backend), torch at the same dtype and torch in float64 on
     the same inputs; compare outputs and every input gradient. reduced_over_rows: indices
-    of inputs whose gradient sums over rows (a bias), for the accuracy floor."""
+    of inputs whose gradient is the row sum of input 0's gradient (a bias: d(x + b)), for
+    the accuracy floor. In float32 those sums cancel: terms of either sign add to an output
+    smaller than they are, and the accumulation rounds at the partial sums' scale, so the
+    floor is taken at sum |term| per column (100 draws each at 2x5x6x4, 300x33, 2x4097: up
+    to 6 ulp at the output's scale, at most 1.14 ulp of sum |term|). In float16/bfloat16
+    the fp32 accumulation is exact enough that the output's one rounding dominates (at most
+    0.5 ulp at the output's scale), so the floor stays there."""
     ours_in, torch_in = leaf_copies(*inputs), leaf_copies(*inputs)
     oracle_in = [t.detach().double().requires_grad_() for t in inputs]
     ours, same, oracle = ours_fn(*ours_in), torch_fn(*torch_in), torch_fn(*oracle_in)
@@ -114,11 +120,13 @@ def compare_with_oracle(what, ours_fn, torch_fn, inputs, reduced_over_rows=()):
     same.backward(g)
     oracle.backward(g.double())
     rows = max(1, ours.numel() // max(1, ours.shape[-1])) if ours.dim() else 1
+    column_terms = oracle_in[0].grad.abs().reshape(-1, ours.shape[-1]).sum(0).max().item() if ours.dim() else 0.0
     for i, (a, b, c) in enumerate(zip(ours_in, torch_in, oracle_in)):
         assert a.grad is not None, f"{what}: no gradient for input {i}"
         assert a.grad.dtype == a.dtype
-        assert_matches_oracle(a.grad, b.grad, c.grad, f"{what} grad[{i}]",
-                              reduced=rows if i in reduced_over_rows else 1)
+        summed = i in reduced_over_rows and a.dtype == torch.float32
+        assert_matches_oracle(a.grad, b.grad, c.grad, f"{what} grad[{i}]", reduced=rows if i in reduced_over_rows else 1,
+                              terms_scale=column_terms if summed else 0.0)
     return ours
 
 
