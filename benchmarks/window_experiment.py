@@ -1,0 +1,146 @@
+"""Experiment: what holds the sliding-window forward at ~305 TFLOP/s computed when the same
+64x64 tiles run a dense row at ~459? Hypothesis: per-program fixed costs (the Q load, three
+separately pipelined loops of 1 + 7 + 1 key tiles, each with its own prologue and drain,
+the epilogue) that a 9-tile run cannot amortize.
+
+Variants of one causal-band forward kernel (no attn_mask, no block mask), timed against
+kernelforge's current path and FlexAttention on the same window:
+- loop=single-masked: one pipelined loop over the band, every tile masked through a
+  loop-invariant (j - i) tile, so a mask costs an add, two compares and a select;
+- loop=single-branch: one loop, the mask applied under a run-time branch on edge tiles;
+- persistent: a grid of a few programs per SM walking the query tiles (optionally with
+  tl.range(flatten=True), so the next tile's loads overlap this tile's tail).
+
+    python3 benchmarks/window_experiment.py [--s 8192] [--window 512]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import triton
+import triton.language as tl
+from triton.testing import do_bench
+
+from kernelforge.reference.attention import Visibility
+from kernelforge.triton import attention as tri
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def band_forward_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
+                        H, Sq, Sk, off, LEFT, RIGHT, qk_scale, num_tiles, tiles_m,
+                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BRANCH: tl.constexpr, FLATTEN: tl.constexpr, STAGES: tl.constexpr):
+    offs_i = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rel = offs_n[None, :] - offs_i[:, None]  # j - i inside a tile pair, loop invariant
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN):
+        pid_m = tiles_m - 1 - tile % tiles_m
+        pid_bh = tile // tiles_m
+        b = pid_bh // H
+        h = pid_bh % H
+        m0 = pid_m * BLOCK_M
+        offs_m = m0 + offs_i
+        q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqm + offs_d[None, :],
+                    mask=offs_m[:, None] < Sq, other=0.0)
+        k_base = K + b.to(tl.int64) * skb + h.to(tl.int64) * skh
+        v_base = V + b.to(tl.int64) * svb + h.to(tl.int64) * svh
+        m_last = tl.minimum(m0 + BLOCK_M, Sq) - 1
+        lo = tl.maximum(m0 + off - LEFT, 0) // BLOCK_N * BLOCK_N
+        hi = tl.minimum(Sk, m_last + off + RIGHT + 1)
+        full_lo = tl.maximum(m_last + off - LEFT + BLOCK_N - 1, 0) // BLOCK_N * BLOCK_N
+        full_hi = tl.minimum((Sk // BLOCK_N) * BLOCK_N, tl.maximum(m0 + off + RIGHT + 1, 0) // BLOCK_N * BLOCK_N)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for n0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
+            cols = n0 + offs_n
+            k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :], mask=cols[:, None] < Sk, other=0.0)
+            qk = tl.dot(q, tl.trans(k)) * qk_scale
+            if BRANCH:
+                if (n0 < full_lo) | (n0 >= full_hi):
+                    t = rel + (n0 - m0 - off)
+                    qk = tl.where((t >= -LEFT) & (t <= RIGHT) & (cols[None, :] < Sk), qk, float("-inf"))
+            else:
+                t = rel + (n0 - m0 - off)
+                qk = tl.where((t >= -LEFT) & (t <= RIGHT) & (cols[None, :] < Sk), qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(qk - m_use[:, None])
+            alpha = tl.math.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :], mask=cols[:, None] < Sk, other=0.0)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            m_i = m_new
+        seen = l_i > 0
+        l_safe = tl.where(seen, l_i, 1.0)
+        out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
+        tl.store(LSE + pid_bh.to(tl.int64) * Sq + offs_m, tl.where(seen, m_i + tl.math.log2(l_safe), float("-inf")) * 0.6931471805599453,
+                 mask=offs_m < Sq)
+        tl.store(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * som + offs_d[None, :],
+                 out.to(O.dtype.element_ty), mask=offs_m[:, None] < Sq)
+
+
+def band_forward(q, k, v, scale, left, block_m, block_n, warps, stages, branch, programs_per_sm, flatten):
+    B, H, S, D = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
+    tiles_m = triton.cdiv(S, block_m)
+    num_tiles = tiles_m * B * H
+    if programs_per_sm:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        grid = (min(num_tiles, sms * programs_per_sm),)
+    else:
+        grid = (num_tiles,)
+    band_forward_kernel[grid](q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                              *out.stride()[:3], H, S, S, 0, left, 0, scale * LOG2E, num_tiles, tiles_m,
+                              HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BRANCH=branch, FLATTEN=flatten,
+                              STAGES=stages, num_warps=warps, num_stages=stages)
+    return out, lse
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--s", type=int, default=8192)
+    ap.add_argument("--window", type=int, default=512)
+    args = ap.parse_args()
+    B, H, S, D, W = 16384 // args.s, 16, args.s, 128, args.window
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    scale = D ** -0.5
+    flops = 4 * B * H * S * (W + 1) * D  # each query sees itself and W keys before it
+    vis = Visibility.of(True, (W, 0))
+    ref, ref_lse = tri.flash_forward(q, k, v, scale, vis)
+    ms = do_bench(lambda: tri.flash_forward(q, k, v, scale, vis), rep=200)
+    print(f"kernelforge now: {ms * 1e3:.1f} us, {flops / ms / 1e9:.1f} TFLOP/s", flush=True)
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        bm = create_block_mask(lambda b, h, i, j: (j <= i) & (i - j <= W), None, None, S, S, device="cuda")
+        flex = torch.compile(flex_attention, dynamic=False)
+        fo = flex(q, k, v, block_mask=bm)
+        print(f"flex vs ours max diff {(fo.float() - ref.float()).abs().max().item():.3g}")
+        ms = do_bench(lambda: flex(q, k, v, block_mask=bm), rep=200)
+        print(f"flex: {ms * 1e3:.1f} us, {flops / ms / 1e9:.1f} TFLOP/s", flush=True)
+    except Exception as err:
+        print("flex failed:", str(err)[:200])
+    tiles = [(64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2)]
+    for (bm_, bn, w, st), branch, (pps, flat) in itertools.product(
+            tiles, (False, True), ((0, False), (2, False), (2, True))):
+        label = f"{bm_}x{bn}/{w}w/{st}s branch={int(branch)} persist={pps} flatten={int(flat)}"
+        try:
+            out, lse = band_forward(q, k, v, scale, W, bm_, bn, w, st, branch, pps, flat)
+            err = (out.float() - ref.float()).abs().max().item()
+            lerr = (lse - ref_lse).abs().max().item()
+            ms = do_bench(lambda: band_forward(q, k, v, scale, W, bm_, bn, w, st, branch, pps, flat), rep=100)
+            print(f"{label}: {ms * 1e3:.1f} us, {flops / ms / 1e9:.1f} TFLOP/s (err {err:.3g}, lse {lerr:.3g})",
+                  flush=True)
+        except Exception as err:
+            print(f"{label}: failed {str(err)[:160]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
