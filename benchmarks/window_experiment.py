@@ -11,7 +11,10 @@ kernelforge's current path and FlexAttention on the same window:
 - persistent: a grid of a few programs per SM walking the query tiles (optionally with
   tl.range(flatten=True), so the next tile's loads overlap this tile's tail).
 
-    python3 benchmarks/window_experiment.py [--s 8192] [--window 512]
+    python3 benchmarks/window_experiment.py [--s 8192] [--window 512] [--variants]
+
+Without --variants: the library's forward and backward with the one-loop band walk on and
+off (kernelforge.triton.attention.ONE_LOOP_WINDOW), next to Flex forward and forward+backward.
 """
 from __future__ import annotations
 
@@ -60,7 +63,7 @@ def band_forward_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh,
         for n0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
             cols = n0 + offs_n
             k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :], mask=cols[:, None] < Sk, other=0.0)
-            qk = tl.dot(q, tl.trans(k)) * qk_scale
+            qk = tl.dot(q, tl.trans(k))
             if BRANCH:
                 if (n0 < full_lo) | (n0 >= full_hi):
                     t = rel + (n0 - m0 - off)
@@ -68,9 +71,10 @@ def band_forward_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh,
             else:
                 t = rel + (n0 - m0 - off)
                 qk = tl.where((t >= -LEFT) & (t <= RIGHT) & (cols[None, :] < Sk), qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            # scale > 0: max(qk) * scale is the max of the scaled scores, qk * scale - m one FMA
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(qk - m_use[:, None])
+            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
             alpha = tl.math.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :], mask=cols[:, None] < Sk, other=0.0)
@@ -107,15 +111,30 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--s", type=int, default=8192)
     ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--variants", action="store_true", help="time the experimental kernel's variants")
     args = ap.parse_args()
     B, H, S, D, W = 16384 // args.s, 16, args.s, 128, args.window
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     scale = D ** -0.5
     flops = 4 * B * H * S * (W + 1) * D  # each query sees itself and W keys before it
     vis = Visibility.of(True, (W, 0))
-    ref, ref_lse = tri.flash_forward(q, k, v, scale, vis)
-    ms = do_bench(lambda: tri.flash_forward(q, k, v, scale, vis), rep=200)
-    print(f"kernelforge now: {ms * 1e3:.1f} us, {flops / ms / 1e9:.1f} TFLOP/s", flush=True)
+    g = torch.randn_like(q)
+    results = {}
+    for one_loop in (True, False):
+        tri.ONE_LOOP_WINDOW.update(forward=one_loop, backward=one_loop)
+        out, lse = tri.flash_forward(q, k, v, scale, vis)
+        grads = tri.flash_backward(g, q, k, v, out, lse, scale, vis)
+        results[one_loop] = (out, lse, grads)
+        fwd = do_bench(lambda: tri.flash_forward(q, k, v, scale, vis), rep=200)
+        bwd = do_bench(lambda: tri.flash_backward(g, q, k, v, out, lse, scale, vis), rep=200)
+        print(f"kernelforge one_loop={one_loop}: fwd {fwd * 1e3:.1f} us ({flops / fwd / 1e9:.1f} TFLOP/s), "
+              f"bwd {bwd * 1e3:.1f} us, fwd+bwd {(fwd + bwd) * 1e3:.1f} us", flush=True)
+    (o1, l1, g1), (o0, l0, g0) = results[True], results[False]
+    print("one loop against three loops, max diff: out %.3g lse %.3g dq %.3g dk %.3g dv %.3g" % (
+        (o1.float() - o0.float()).abs().max().item(), (l1 - l0).abs().max().item(),
+        *((a.float() - b.float()).abs().max().item() for a, b in zip(g1, g0))), flush=True)
+    tri.ONE_LOOP_WINDOW.update(forward=True, backward=True)
+    ref, ref_lse = o1, l1
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -124,12 +143,18 @@ def main():
         fo = flex(q, k, v, block_mask=bm)
         print(f"flex vs ours max diff {(fo.float() - ref.float()).abs().max().item():.3g}")
         ms = do_bench(lambda: flex(q, k, v, block_mask=bm), rep=200)
-        print(f"flex: {ms * 1e3:.1f} us, {flops / ms / 1e9:.1f} TFLOP/s", flush=True)
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        fo = flex(qg, kg, vg, block_mask=bm)
+        ms_b = do_bench(lambda: torch.autograd.grad(fo, (qg, kg, vg), g, retain_graph=True), rep=200)
+        print(f"flex: fwd {ms * 1e3:.1f} us ({flops / ms / 1e9:.1f} TFLOP/s), bwd {ms_b * 1e3:.1f} us, "
+              f"fwd+bwd {(ms + ms_b) * 1e3:.1f} us", flush=True)
     except Exception as err:
         print("flex failed:", str(err)[:200])
-    tiles = [(64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2)]
-    for (bm_, bn, w, st), branch, (pps, flat) in itertools.product(
-            tiles, (False, True), ((0, False), (2, False), (2, True))):
+    if not args.variants:
+        return
+    tiles = [(64, 64, 4, 3), (64, 64, 8, 3), (64, 64, 4, 4), (64, 32, 4, 3), (64, 32, 4, 4), (64, 128, 8, 2),
+             (32, 64, 4, 3), (32, 32, 4, 3), (128, 64, 8, 3)]
+    for (bm_, bn, w, st), branch, (pps, flat) in itertools.product(tiles, (True,), ((0, False),)):
         label = f"{bm_}x{bn}/{w}w/{st}s branch={int(branch)} persist={pps} flatten={int(flat)}"
         try:
             out, lse = band_forward(q, k, v, scale, W, bm_, bn, w, st, branch, pps, flat)

@@ -73,8 +73,8 @@ def decode_split_kernel(
     for n0 in range(start, stop, BLOCK_N):  # every tile masked: the range end, the band, the mask
         acc, m_i, l_i = _forward_tile(
             acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, i, offs_n, offs_d, offs_dv, Sq, stop, off, LEFT, RIGHT,
-            qk_scale, mask_base, smm, smn, MASK, -1, HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, False,
-            16, 16, PRECISION)
+            qk_scale, mask_base, smm, smn, MASK, -1, True, HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+            False, 16, 16, PRECISION)
     out, lse2 = _finish_rows(acc, m_i, l_i)
     # partial buffers: (splits, B, H, Sq[, Dv]) float32, dense
     row = ((split * (tl.num_programs(1) // HKV) + b) * H + h).to(tl.int64) * Sq + i

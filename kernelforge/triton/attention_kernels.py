@@ -28,24 +28,40 @@ import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+# A value of the MASKED parameter: a short band walked as one pipelined loop, whose first and
+# last tiles take the band check under a run-time branch (the three-loop split of masked /
+# unmasked / masked tiles pays a pipeline fill and drain per loop: on a 9-tile window run that
+# cost 20%; benchmarks/results/nvidia-h200/attention/window-experiment/).
+EDGE_AT_RUN_TIME = tl.constexpr(2)
 
 
 # ----------------------------------------------------------------------------- shared pieces
 @triton.jit
-def _masked_scores(s, i, j, Sq, Sk, off, LEFT, RIGHT, mask_base, smm, smn, bits_base, partial_id,
+def _in_band(i, j, Sq, Sk, off, LEFT, RIGHT, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    ok = (i < Sq) & (j < Sk)
+    if HAS_LEFT:
+        ok = ok & (j >= i + off - LEFT)
+    if HAS_RIGHT:
+        ok = ok & (j <= i + off + RIGHT)
+    return ok
+
+
+@triton.jit
+def _masked_scores(s, i, j, Sq, Sk, off, LEFT, RIGHT, mask_base, smm, smn, bits_base, partial_id, edge,
                    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    MASK_KIND: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MB_Q: tl.constexpr, MB_K: tl.constexpr):
-    """Scores s (log2 units) of query rows i and key columns j (broadcastable index tiles,
-    either orientation) with every mask applied: hidden pairs become -inf."""
+    """Scores s of query rows i and key columns j (broadcastable index tiles, either
+    orientation) with every mask applied: hidden pairs become -inf. MASKED: 0 none but
+    attn_mask, 1 every bound, EDGE_AT_RUN_TIME the band and the tails only where the run-time
+    `edge` is true (no attn_mask, no block mask; s may be unscaled then)."""
     inside = (i < Sq) & (j < Sk)
     if MASK_KIND == 2:
         s += tl.load(mask_base + i * smm + j * smn, mask=inside, other=0.0).to(tl.float32) * LOG2E
-    if MASKED:
-        ok = inside
-        if HAS_LEFT:
-            ok = ok & (j >= i + off - LEFT)
-        if HAS_RIGHT:
-            ok = ok & (j <= i + off + RIGHT)
+    if MASKED == EDGE_AT_RUN_TIME:
+        if edge:
+            s = tl.where(_in_band(i, j, Sq, Sk, off, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
+    elif MASKED:
+        ok = _in_band(i, j, Sq, Sk, off, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT)
         if MASK_KIND == 1:
             ok = ok & (tl.load(mask_base + i * smm + j * smn, mask=inside, other=0) != 0)
         if BLOCK_SPARSE:
@@ -140,7 +156,7 @@ def _query_tile(Q, K, V, MASK, sqb, sqh, sqm, skb, skh, svb, svh, smb, smh, H, G
 # ----------------------------------------------------------------------------- forward
 @triton.jit
 def _forward_tile(acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
-                  Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, bits_base, partial_id,
+                  Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, bits_base, partial_id, edge,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, MASKED: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
                   BLOCK_SPARSE: tl.constexpr, MB_Q: tl.constexpr, MB_K: tl.constexpr, PRECISION: tl.constexpr):
@@ -151,18 +167,23 @@ def _forward_tile(acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n
         kv_rows = cols[:, None] >= 0
     k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :], mask=kv_rows & (offs_d[None, :] < HEAD_DIM), other=0.0)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    if MASKED or MASK_KIND != 0:
-        s = _masked_scores(qk * qk_scale, offs_m[:, None], cols[None, :], Sq, Sk, off, LEFT, RIGHT, mask_base,
-                           smm, smn, bits_base, partial_id, MASKED, HAS_LEFT, HAS_RIGHT, MASK_KIND, BLOCK_SPARSE,
-                           MB_Q, MB_K)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet: no -inf - -inf
-        p = tl.math.exp2(s - m_use[:, None])
-    else:
+    if MASKED == EDGE_AT_RUN_TIME or not (MASKED or MASK_KIND != 0):
+        if MASKED == EDGE_AT_RUN_TIME:  # no additive term: -inf on the raw scores hides a pair as well
+            qk = _masked_scores(qk, offs_m[:, None], cols[None, :], Sq, Sk, off, LEFT, RIGHT, mask_base, smm, smn,
+                                bits_base, partial_id, edge, MASKED, HAS_LEFT, HAS_RIGHT, 0, False, MB_Q, MB_K)
         # scale > 0, so max(qk) * scale is the max of the scaled scores; qk * scale - m is one FMA
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         m_use = m_new
+        if MASKED == EDGE_AT_RUN_TIME:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+    else:
+        s = _masked_scores(qk * qk_scale, offs_m[:, None], cols[None, :], Sq, Sk, off, LEFT, RIGHT, mask_base,
+                           smm, smn, bits_base, partial_id, edge, MASKED, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                           BLOCK_SPARSE, MB_Q, MB_K)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet: no -inf - -inf
+        p = tl.math.exp2(s - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_base + cols[:, None] * svn + offs_dv[None, :], mask=kv_rows & (offs_dv[None, :] < HEAD_DIM_V),
@@ -180,7 +201,7 @@ def flash_forward_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_BAND: tl.constexpr, MASK_KIND: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MB_Q: tl.constexpr,
-    MB_K: tl.constexpr, PRECISION: tl.constexpr,
+    MB_K: tl.constexpr, PRECISION: tl.constexpr, ONE_LOOP: tl.constexpr,
 ):
     pid_bh, b, h, m0, offs_m, q, k_base, v_base, mask_base = _query_tile(
         Q, K, V, MASK, sqb, sqh, sqm, skb, skh, svb, svh, smb, smh, H, GROUP, Sq, HEAD_DIM, BLOCK_M, BLOCK_D)
@@ -201,7 +222,7 @@ def flash_forward_kernel(
             for sub in tl.static_range(MB_K // BLOCK_N):
                 acc, m_i, l_i = _forward_tile(
                     acc, m_i, l_i, q, k_base, v_base, skn, svn, kb * MB_K + sub * BLOCK_N, offs_m, offs_n, offs_d,
-                    offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1,
+                    offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, True,
                     HEAD_DIM, HEAD_DIM_V, HAS_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
         for t in range(full, count):  # partial tiles: their bits and every bound
             kb = tl.load(BLOCKS + list_base + t)
@@ -209,25 +230,32 @@ def flash_forward_kernel(
             for sub in tl.static_range(MB_K // BLOCK_N):
                 acc, m_i, l_i = _forward_tile(
                     acc, m_i, l_i, q, k_base, v_base, skn, svn, kb * MB_K + sub * BLOCK_N, offs_m, offs_n, offs_d,
-                    offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, partial_id,
+                    offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, partial_id, True,
                     HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, True, MB_Q, MB_K, PRECISION)
     else:
         lo, full_lo, full_hi, hi = _row_range(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-        for n0 in range(lo, full_lo, BLOCK_N):
-            acc, m_i, l_i = _forward_tile(
-                acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
-                Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1,
-                HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
-        for n0 in range(full_lo, full_hi, BLOCK_N):
-            acc, m_i, l_i = _forward_tile(
-                acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
-                Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1,
-                HEAD_DIM, HEAD_DIM_V, False, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
-        for n0 in range(full_hi, hi, BLOCK_N):
-            acc, m_i, l_i = _forward_tile(
-                acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
-                Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1,
-                HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
+        if ONE_LOOP:
+            for n0 in range(lo, hi, BLOCK_N):
+                acc, m_i, l_i = _forward_tile(
+                    acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
+                    Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, (n0 < full_lo) | (n0 >= full_hi),
+                    HEAD_DIM, HEAD_DIM_V, EDGE_AT_RUN_TIME, HAS_LEFT, HAS_RIGHT, 0, False, MB_Q, MB_K, PRECISION)
+        else:
+            for n0 in range(lo, full_lo, BLOCK_N):
+                acc, m_i, l_i = _forward_tile(
+                    acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
+                    Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, True,
+                    HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
+            for n0 in range(full_lo, full_hi, BLOCK_N):
+                acc, m_i, l_i = _forward_tile(
+                    acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
+                    Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, False,
+                    HEAD_DIM, HEAD_DIM_V, False, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
+            for n0 in range(full_hi, hi, BLOCK_N):
+                acc, m_i, l_i = _forward_tile(
+                    acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
+                    Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, True,
+                    HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
 
     out, lse2 = _finish_rows(acc, m_i, l_i)
     row_ok = offs_m < Sq
@@ -267,7 +295,7 @@ def _lse2(LSE_ROW, offs, Sq):
 
 @triton.jit
 def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_row, delta_row, sqm, sdm, m0, offs_m, offs_n, offs_d, offs_dv,
-               Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, bits_base, partial_id,
+               Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, bits_base, partial_id, edge,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, MASKED: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
                BLOCK_SPARSE: tl.constexpr, MB_Q: tl.constexpr, MB_K: tl.constexpr, PRECISION: tl.constexpr):
@@ -285,7 +313,7 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_row, delta_row, sqm, sdm, m0, 
     delta = tl.load(delta_row + rows, mask=rows < Sq, other=0.0)
     sT = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
     sT = _masked_scores(sT, rows[None, :], offs_n[:, None], Sq, Sk, off, LEFT, RIGHT, mask_base, smm, smn,
-                        bits_base, partial_id, MASKED, HAS_LEFT, HAS_RIGHT, MASK_KIND, BLOCK_SPARSE, MB_Q, MB_K)
+                        bits_base, partial_id, edge, MASKED, HAS_LEFT, HAS_RIGHT, MASK_KIND, BLOCK_SPARSE, MB_Q, MB_K)
     pT = tl.math.exp2(sT - lse2[None, :])
     dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
     dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -304,7 +332,7 @@ def flash_backward_dkdv_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_BAND: tl.constexpr, MASK_KIND: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MB_Q: tl.constexpr,
-    MB_K: tl.constexpr, PRECISION: tl.constexpr,
+    MB_K: tl.constexpr, PRECISION: tl.constexpr, ONE_LOOP: tl.constexpr,
 ):
     """One program per (key tile, batch, kv head): walks the query tiles that see the key
     tile, for every q head of the group in turn, so dK and dV are summed in a fixed order
@@ -340,7 +368,7 @@ def flash_backward_dkdv_kernel(
                 for sub in tl.static_range(MB_Q // BLOCK_M):
                     dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm,
                                         qb * MB_Q + sub * BLOCK_M, offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT,
-                                        RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, HEAD_DIM, HEAD_DIM_V,
+                                        RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, True, HEAD_DIM, HEAD_DIM_V,
                                         HAS_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
             for t in range(full, count):
                 qb = tl.load(BLOCKS + list_base + t)
@@ -348,25 +376,33 @@ def flash_backward_dkdv_kernel(
                 for sub in tl.static_range(MB_Q // BLOCK_M):
                     dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm,
                                         qb * MB_Q + sub * BLOCK_M, offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT,
-                                        RIGHT, qk_scale, mask_base, smm, smn, BITS, partial_id, HEAD_DIM, HEAD_DIM_V,
-                                        True, HAS_LEFT, HAS_RIGHT, MASK_KIND, True, MB_Q, MB_K, PRECISION)
+                                        RIGHT, qk_scale, mask_base, smm, smn, BITS, partial_id, True, HEAD_DIM,
+                                        HEAD_DIM_V,                                         True, HAS_LEFT, HAS_RIGHT, MASK_KIND, True, MB_Q, MB_K, PRECISION)
         else:
             lo, full_lo, full_hi, hi = _col_range(n0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-            for m0 in range(lo, full_lo, BLOCK_M):
-                dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm, m0,
-                                    offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale,
-                                    mask_base, smm, smn, BITS, -1, HEAD_DIM, HEAD_DIM_V, True,
-                                    HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
-            for m0 in range(full_lo, full_hi, BLOCK_M):
-                dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm, m0,
-                                    offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale,
-                                    mask_base, smm, smn, BITS, -1, HEAD_DIM, HEAD_DIM_V, False,
-                                    HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
-            for m0 in range(full_hi, hi, BLOCK_M):
-                dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm, m0,
-                                    offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale,
-                                    mask_base, smm, smn, BITS, -1, HEAD_DIM, HEAD_DIM_V, True,
-                                    HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
+            if ONE_LOOP:
+                for m0 in range(lo, hi, BLOCK_M):
+                    dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm, m0,
+                                        offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale,
+                                        mask_base, smm, smn, BITS, -1, (m0 < full_lo) | (m0 >= full_hi), HEAD_DIM,
+                                        HEAD_DIM_V, EDGE_AT_RUN_TIME, HAS_LEFT, HAS_RIGHT, 0, False, MB_Q, MB_K,
+                                        PRECISION)
+            else:
+                for m0 in range(lo, full_lo, BLOCK_M):
+                    dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm, m0,
+                                        offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale,
+                                        mask_base, smm, smn, BITS, -1, True, HEAD_DIM, HEAD_DIM_V, True,
+                                        HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
+                for m0 in range(full_lo, full_hi, BLOCK_M):
+                    dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm, m0,
+                                        offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale,
+                                        mask_base, smm, smn, BITS, -1, False, HEAD_DIM, HEAD_DIM_V, False,
+                                        HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
+                for m0 in range(full_hi, hi, BLOCK_M):
+                    dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm, m0,
+                                        offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale,
+                                        mask_base, smm, smn, BITS, -1, True, HEAD_DIM, HEAD_DIM_V, True,
+                                        HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
     key_ok = offs_n[:, None] < Sk
     tl.store(DK + b.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh + offs_n[:, None] * sdkn + offs_d[None, :],
              (dk * scale).to(DK.dtype.element_ty), mask=key_ok & (offs_d[None, :] < HEAD_DIM))
@@ -376,7 +412,7 @@ def flash_backward_dkdv_kernel(
 
 @triton.jit
 def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
-             Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, bits_base, partial_id,
+             Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, bits_base, partial_id, edge,
              HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, MASKED: tl.constexpr,
              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
              BLOCK_SPARSE: tl.constexpr, MB_Q: tl.constexpr, MB_K: tl.constexpr, PRECISION: tl.constexpr):
@@ -392,7 +428,7 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_
                 other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     s = _masked_scores(s, offs_m[:, None], cols[None, :], Sq, Sk, off, LEFT, RIGHT, mask_base, smm, smn,
-                       bits_base, partial_id, MASKED, HAS_LEFT, HAS_RIGHT, MASK_KIND, BLOCK_SPARSE, MB_Q, MB_K)
+                       bits_base, partial_id, edge, MASKED, HAS_LEFT, HAS_RIGHT, MASK_KIND, BLOCK_SPARSE, MB_Q, MB_K)
     p = tl.math.exp2(s - lse2[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     ds = p * (dp - delta[:, None])
@@ -408,7 +444,7 @@ def flash_backward_dq_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_BAND: tl.constexpr, MASK_KIND: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MB_Q: tl.constexpr,
-    MB_K: tl.constexpr, PRECISION: tl.constexpr,
+    MB_K: tl.constexpr, PRECISION: tl.constexpr, ONE_LOOP: tl.constexpr,
 ):
     """One program per (query tile, batch, head), over the key tiles it sees, as the forward."""
     pid_bh, b, h, m0, offs_m, q, k_base, v_base, mask_base = _query_tile(
@@ -432,7 +468,7 @@ def flash_backward_dq_kernel(
             for sub in tl.static_range(MB_K // BLOCK_N):
                 dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, kb * MB_K + sub * BLOCK_N, offs_m,
                               offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS,
-                              -1, HEAD_DIM, HEAD_DIM_V, HAS_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K,
+                              -1, True, HEAD_DIM, HEAD_DIM_V, HAS_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K,
                               PRECISION)
         for t in range(full, count):
             kb = tl.load(BLOCKS + list_base + t)
@@ -440,21 +476,28 @@ def flash_backward_dq_kernel(
             for sub in tl.static_range(MB_K // BLOCK_N):
                 dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, kb * MB_K + sub * BLOCK_N, offs_m,
                               offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS,
-                              partial_id, HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, True, MB_Q, MB_K,
+                              partial_id, True, HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, True, MB_Q, MB_K,
                               PRECISION)
     else:
         lo, full_lo, full_hi, hi = _row_range(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-        for n0 in range(lo, full_lo, BLOCK_N):
-            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
-                          Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, HEAD_DIM, HEAD_DIM_V,
-                          True, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
-        for n0 in range(full_lo, full_hi, BLOCK_N):
-            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
-                          Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, HEAD_DIM, HEAD_DIM_V,
-                          False, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
-        for n0 in range(full_hi, hi, BLOCK_N):
-            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
-                          Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, HEAD_DIM, HEAD_DIM_V,
-                          True, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
+        if ONE_LOOP:
+            for n0 in range(lo, hi, BLOCK_N):
+                dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
+                              Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1,
+                              (n0 < full_lo) | (n0 >= full_hi), HEAD_DIM, HEAD_DIM_V, EDGE_AT_RUN_TIME, HAS_LEFT,
+                              HAS_RIGHT, 0, False, MB_Q, MB_K, PRECISION)
+        else:
+            for n0 in range(lo, full_lo, BLOCK_N):
+                dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
+                              Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, True, HEAD_DIM,
+                              HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
+            for n0 in range(full_lo, full_hi, BLOCK_N):
+                dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
+                              Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, False, HEAD_DIM,
+                              HEAD_DIM_V, False, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
+            for n0 in range(full_hi, hi, BLOCK_N):
+                dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
+                              Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, True, HEAD_DIM,
+                              HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
     tl.store(DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + offs_m[:, None] * sdqm + offs_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=row_ok & (offs_d[None, :] < HEAD_DIM))

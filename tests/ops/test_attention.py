@@ -95,6 +95,9 @@ CASES = [
     (1, 4, 2, 50, 70, 32, None, True, (20, None), "bool"),    # causal + window + bool mask + GQA
     (2, 2, 2, 33, 47, 64, 32, False, None, "float"),          # additive mask with -inf, Dv != D
     (1, 2, 1, 48, 48, 16, None, False, (0, 0), "bool_rows"),  # diagonal only; whole rows masked
+    # a left-bounded window and no mask: one loop, the band checked on edge tiles at run time
+    (1, 4, 2, 70, 90, 32, None, True, (25, None), None),      # causal window, GQA, Sq < Sk, tails
+    (2, 2, 1, 75, 40, 64, None, False, (10, None), None),     # left bound only, Sq > Sk
     # a few queries against a long cache: Triton splits the keys (flash-decoding)
     (2, 8, 2, 1, 600, 32, None, False, None, None),
     (1, 4, 1, 4, 700, 64, None, True, (100, None), "bool"),
