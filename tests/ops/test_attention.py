@@ -137,6 +137,23 @@ def test_matches_oracle(backend, device, dtype, case):
     check(backend, device, dtype, B, H, Hkv, Sq, Sk, D, Dv, causal, window, mask, backward=backend != "cuda")
 
 
+WINDOW_CASES = [c for c in CASES if c[8] is not None and c[8][0] is not None and c[9] is None]
+
+
+@pytest.mark.parametrize("backend,device", backend_cases(("triton",)))
+@pytest.mark.parametrize("one_loop", [True, False], ids=["one-loop", "three-loops"])
+def test_window_band_walks_both_match_oracle(backend, device, one_loop, monkeypatch):
+    # The Triton kernels walk a left-bounded window either as one loop with the band checked
+    # on edge tiles at run time or as three loops (masked, unmasked, masked): both, each direction.
+    from kernelforge.triton import attention as triton_attention
+
+    assert len(WINDOW_CASES) >= 2
+    monkeypatch.setitem(triton_attention.ONE_LOOP_WINDOW, "forward", one_loop)
+    monkeypatch.setitem(triton_attention.ONE_LOOP_WINDOW, "backward", one_loop)
+    for B, H, Hkv, Sq, Sk, D, Dv, causal, window, mask in WINDOW_CASES:
+        check(backend, device, torch.float16, B, H, Hkv, Sq, Sk, D, Dv, causal, window, mask)
+
+
 @pytest.mark.parametrize("backend,device", backend_cases(("reference", "triton")))
 def test_strided_bshd_inputs(backend, device):
     check(backend, device, torch.float32, 2, 4, 2, 23, 31, 32, causal=True, layout="bshd")
