@@ -3,4 +3,4 @@
 Importing this package registers every op under the `kernelforge` torch.library namespace.
 No kernel code lives here.
 """
-from kernelforge.ops import activations, attention, gated_activations, norms, softmax  # noqa: F401  (registers kernelforge::softmax, ...)
+from kernelforge.ops import activations, attention, gated_activations, gemm, norms, softmax  # noqa: F401  (registers kernelforge::softmax, ...)

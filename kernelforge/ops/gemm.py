@@ -1,0 +1,321 @@
+"""GEMM with a fused epilogue: schema, input checks, fake implementation, autograd, dispatch.
+
+    kernelforge.gemm(a, b, *, bias=None, activation=None, residual=None, precision="auto",
+                     out_dtype=None) = act(a @ b + bias) + residual
+
+Registered op (fake implementation and autograd attached):
+    kernelforge::gemm(Tensor a, Tensor b, Tensor? bias, Tensor? residual, str activation,
+                      str compute, ScalarType out_dtype, bool save_preact) -> (Tensor, Tensor)
+        a (*batch_a, M, K), b (*batch_b, K, N), batch dims broadcast as torch.matmul does;
+        bias (N,); residual broadcastable to (*batch, M, N); activation "none" or a kind;
+        compute a mode of kernelforge/reference/gemm.py (the public function resolves
+        precision="auto" to one). Returns out (*batch, M, N) and, when save_preact, a @ b
+        before the bias (what the backward needs for act'), else an empty tensor.
+
+The backward is made of registered ops: kernelforge::bias_activation_backward (or
+activation_backward) turns the output gradient into dz = grad * act'(a @ b + bias) and the
+bias gradient in one pass, then two kernelforge::gemm calls give dA = dz b^T and
+dB = a^T dz (summed over broadcast batch dims; a b shared across the batch gets one GEMM
+over all rows). Gradients therefore run on the same kernels, and double backward works.
+
+Backends (registry "gemm": gemm): triton, reference. See kernelforge/reference/gemm.py for
+the launcher interface and what each compute mode means.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+from kernelforge import backends
+from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, plain_eager_call, require
+from kernelforge.reference.activations import KINDS
+
+OP = "gemm"
+PRECISIONS = ("auto", "fp32", "tf32", "fp16", "bf16")
+ACTIVATIONS = (None,) + KINDS
+_TRITON_MODES = ("fp32", "tf32", "fp16", "bf16")
+
+@dataclass
+class _Policy:
+    """What "auto" takes inside kernelforge.precision(...) / gpu_kernel(...): mode None follows
+    the input dtype (and torch.backends.cuda.matmul.allow_tf32 for float32). Process-wide,
+    as torch.backends.cuda.matmul.allow_tf32 is: a plain attribute, which torch.compile reads
+    and guards on (it cannot trace a contextvars.ContextVar)."""
+    mode: Optional[str] = None
+    float32_only: bool = False
+
+
+_policy = _Policy()
+
+
+@contextlib.contextmanager
+def precision(mode: Optional[str], *, float32_only: bool = False) -> Iterator[None]:
+    """Within the block, gemm(..., precision="auto") computes in `mode` ("fp32", "tf32",
+    "fp16", "bf16"; None: follow the inputs); with float32_only, only float32 inputs do
+    (how gpu_kernel(use_tensor_cores=...) picks tf32 or IEEE float32 without touching 16-bit
+    inputs). Explicit precision arguments still win."""
+    if mode is not None and mode not in PRECISIONS[1:]:
+        raise ValueError(f"kernelforge.precision: mode must be None or one of {PRECISIONS[1:]}, got {mode!r}")
+    saved = (_policy.mode, _policy.float32_only)
+    _policy.mode, _policy.float32_only = mode, float32_only
+    try:
+        yield
+    finally:
+        _policy.mode, _policy.float32_only = saved
+
+
+# ----------------------------------------------------------------------------- dispatch
+def _why_not_triton(a: torch.Tensor, b: torch.Tensor, compute: str = "fp32"):
+    from kernelforge.triton import why_unavailable
+
+    if compute not in _TRITON_MODES:
+        return f"the Triton GEMM computes in {', '.join(_TRITON_MODES)}, not {compute}"
+    for name, t in (("a", a), ("b", b)):
+        if t.dtype not in GPU_FLOAT_DTYPES:
+            return f"the Triton GEMM takes float32/float16/bfloat16 operands, got {name} of {t.dtype}"
+    return why_unavailable(a.device)
+
+
+def _preference(a: torch.Tensor, b: torch.Tensor, compute: str = "fp32"):
+    if a.device.type != "cuda":
+        return ("reference",), "the reference is the CPU implementation"
+    return ("triton", "reference"), "the Triton GEMM fuses the epilogue; the reference is torch.matmul"
+
+
+backends.register(OP, "triton", "kernelforge.triton.gemm", _why_not_triton)
+backends.register(OP, "reference", "kernelforge.reference.gemm", lambda *inputs, **options: None)
+backends.set_preference(OP, _preference, lambda a, b, compute="fp32": (a.device.type, a.dtype, b.dtype, compute))
+
+
+# ----------------------------------------------------------------------------- checks
+def _activation_name(activation: Optional[str]) -> str:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"kernelforge.gemm: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    return activation or "none"
+
+
+def resolve_compute(a: torch.Tensor, b: torch.Tensor, precision: str) -> str:
+    """The compute mode of a call: precision, or for "auto" the context's default, else the
+    inputs' dtype (float32: tf32 when torch.backends.cuda.matmul.allow_tf32 and on a GPU)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"kernelforge.gemm: precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "auto":
+        if _policy.mode is not None and (not _policy.float32_only or a.dtype == b.dtype == torch.float32):
+            precision = _policy.mode
+    if precision != "auto":
+        return precision
+    if a.dtype != b.dtype:
+        raise TypeError(f"kernelforge.gemm: with precision='auto' a and b must have the same dtype, got a: {a.dtype}, "
+                        f"b: {b.dtype} (name a precision to cast both)")
+    if a.dtype == torch.float64:
+        return "fp64"
+    if a.dtype == torch.float32:
+        return "tf32" if a.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32 else "fp32"
+    return "fp16" if a.dtype == torch.float16 else "bf16"
+
+
+def _check(a, b, bias, residual, activation: str, compute: str) -> tuple[tuple[int, ...], int, int, int]:
+    """(batch shape, M, N, K) of valid inputs, else a message naming the argument."""
+    for name, t in (("a", a), ("b", b)):
+        check_floating("gemm", name, t, FLOAT_DTYPES)
+        if t.dim() < 2:
+            raise ValueError(f"kernelforge.gemm: {name} must have at least 2 dims (..., rows, cols), "
+                             f"got shape {tuple(t.shape)}")
+    check_same("gemm", "device", ("a", "b"), (a.device, b.device))
+    if activation != "none" and activation not in KINDS:
+        raise ValueError(f"kernelforge.gemm: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if compute not in _TRITON_MODES + ("fp64",):
+        raise ValueError(f"kernelforge.gemm: unknown compute mode {compute!r}")
+    if compute == "fp64" and (a.dtype != torch.float64 or b.dtype != torch.float64):
+        raise TypeError(f"kernelforge.gemm: fp64 compute takes float64 a and b, got {a.dtype} and {b.dtype}")
+    M, K = a.shape[-2], a.shape[-1]
+    N = b.shape[-1]
+    require(b.shape[-2] == K, lambda: f"kernelforge.gemm: a's last dim ({K}) must equal b's second-to-last "
+                                      f"(got a {tuple(a.shape)}, b {tuple(b.shape)})")
+    try:
+        batch = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    except RuntimeError:
+        raise ValueError(f"kernelforge.gemm: the batch dims of a {tuple(a.shape[:-2])} and b {tuple(b.shape[:-2])} "
+                         "do not broadcast") from None
+    if bias is not None:
+        check_floating("gemm", "bias", bias, FLOAT_DTYPES)
+        check_same("gemm", "device", ("a", "bias"), (a.device, bias.device))
+        require(bias.dim() == 1 and bias.shape[0] == N,
+                lambda: f"kernelforge.gemm: bias must have shape ({N},) (b's last dim), got {tuple(bias.shape)}")
+    if residual is not None:
+        check_floating("gemm", "residual", residual, FLOAT_DTYPES)
+        check_same("gemm", "device", ("a", "residual"), (a.device, residual.device))
+        try:
+            ok = tuple(torch.broadcast_shapes(residual.shape, (*batch, M, N))) == (*batch, M, N)
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"kernelforge.gemm: residual of shape {tuple(residual.shape)} does not broadcast to the "
+                             f"output's {(*batch, M, N)}")
+    return batch, M, N, K
+
+
+# ----------------------------------------------------------------------------- implementation
+def _batched(a, b, residual, batch, M, N, K):
+    """(a3, b3, residual3): (B, M', K), (B, K, N), (B, M', N) views for the launcher. A b
+    with no batch dims takes a's batch into the rows (one GEMM of batch*M rows) when a and
+    the residual allow it without a copy."""
+    if b.dim() == 2 and a.dim() > 2:
+        try:
+            a_rows = a.view(1, -1, K)
+            res_rows = None if residual is None else residual.expand(*batch, M, N).view(1, -1, N)
+            return a_rows, b.unsqueeze(0), res_rows
+        except RuntimeError:  # not foldable without a copy: stay batched
+            pass
+    count = math.prod(batch)
+    a3 = a.expand(*batch, M, K).reshape(count, M, K)
+    b3 = b.expand(*batch, K, N).reshape(count, K, N)
+    res3 = None if residual is None else residual.expand(*batch, M, N).reshape(count, M, N)
+    return a3, b3, res3
+
+
+def _gemm(a, b, bias, residual, activation: str, compute: str, out_dtype: torch.dtype, save_preact: bool):
+    batch, M, N, K = _check(a, b, bias, residual, activation, compute)
+    shape = (*batch, M, N)
+    act = None if activation == "none" else activation
+    if a.numel() == 0 or b.numel() == 0:  # nothing to multiply: the epilogue of zeros (or nothing)
+        from kernelforge.reference import gemm as launchers
+    else:
+        launchers = backends.select(OP, a, b, compute=compute).implementation.launchers()
+    a3, b3, res3 = _batched(a, b, residual, batch, M, N, K)
+    out, preact = launchers.gemm(a3, b3, bias, res3, act, compute, out_dtype, save_preact)
+    preact = preact.view(shape) if save_preact else out.new_empty(0)
+    return out.view(shape), preact
+
+
+def _fake(a, b, bias, residual, activation, compute, out_dtype, save_preact):
+    batch, M, N, _ = _check(a, b, bias, residual, activation, compute)
+    out = a.new_empty((*batch, M, N), dtype=out_dtype)
+    return out, (torch.empty_like(out) if save_preact else a.new_empty(0, dtype=out_dtype))
+
+
+# ----------------------------------------------------------------------------- backward
+def _sum_to(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    return t if t.shape == shape else t.sum_to_size(shape)
+
+
+def _matmul(x, w, compute: str, out_dtype: torch.dtype) -> torch.Tensor:
+    return torch.ops.kernelforge.gemm(x, w, None, None, "none", compute, out_dtype, False)[0]
+
+
+def _weight_grad(a, dz, b_shape, compute, dtype):
+    """dB = a^T dz summed to b's shape; a b without batch dims gets one GEMM over all rows."""
+    if len(b_shape) == 2:
+        K, N = a.shape[-1], dz.shape[-1]
+        a_rows = a.expand(*dz.shape[:-1], K).reshape(-1, K)
+        return _matmul(a_rows.transpose(0, 1), dz.reshape(-1, N), compute, dtype)
+    return _sum_to(_matmul(a.transpose(-1, -2), dz, compute, dtype), b_shape)
+
+
+def _gemm_backward(saved, options, needs, grad_out):
+    """Gradients (a, b, bias, residual) of out = act(a @ b + bias) + residual."""
+    a, b, bias, preact = saved
+    activation, compute, residual_meta = options
+    need_a, need_b, need_bias, need_residual = needs
+    grad_bias = None
+    if activation != "none" and grad_out.numel() > 0 and (preact.numel() == 0 or torch.is_grad_enabled()):
+        # Recompute a @ b: the op ran with save_preact=False (only a direct torch.ops call does
+        # that), or this backward is itself differentiated (create_graph=True), where the saved
+        # preact, a detached intermediate, would drop the path through act'(a @ b + bias).
+        preact = _matmul(a, b, compute, grad_out.dtype)
+    if activation == "none":
+        dz = grad_out
+        if need_bias:
+            acc = torch.float64 if grad_out.dtype == torch.float64 else torch.float32
+            grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0, dtype=acc).to(bias.dtype)
+    elif bias is not None and need_bias:
+        dz, grad_bias = torch.ops.kernelforge.bias_activation_backward(grad_out, preact, bias, activation)
+    else:
+        dz = torch.ops.kernelforge.activation_backward(grad_out, preact, bias, activation)
+    grad_a = _sum_to(_matmul(dz, b.transpose(-1, -2), compute, a.dtype), a.shape) if need_a else None
+    grad_b = _weight_grad(a, dz, b.shape, compute, b.dtype) if need_b else None
+    grad_residual = None
+    if need_residual:
+        shape, dtype = residual_meta
+        grad_residual = _sum_to(grad_out, shape).to(dtype)
+    return grad_a, grad_b, grad_bias, grad_residual
+
+
+def _save(ctx, a, b, bias, residual, activation, compute, preact):
+    ctx.save_for_backward(a, b, bias, preact if activation != "none" else None)
+    ctx.options = (activation, compute, None if residual is None else (residual.shape, residual.dtype))
+
+
+# ----------------------------------------------------------------------------- registration
+@torch.library.custom_op("kernelforge::gemm", mutates_args=())
+def gemm_op(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+            activation: str, compute: str, out_dtype: torch.dtype, save_preact: bool
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _gemm(a, b, bias, residual, activation, compute, out_dtype, save_preact)
+
+
+gemm_op.register_fake(_fake)
+
+
+def _setup_context(ctx, inputs, output):
+    a, b, bias, residual, activation, compute, _, _ = inputs
+    _save(ctx, a, b, bias, residual, activation, compute, output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _gemm_grad(ctx, grad_out, _grad_preact):
+    grads = _gemm_backward(ctx.saved_tensors, ctx.options, ctx.needs_input_grad[:4], grad_out)
+    return (*grads, None, None, None, None)
+
+
+gemm_op.register_autograd(_gemm_grad, setup_context=_setup_context)
+
+
+class _EagerGemm(torch.autograd.Function):
+    """The eager fast path (kernelforge.ops._common.plain_eager_call): the same implementation
+    and backward without the dispatcher's custom-op glue."""
+
+    @staticmethod
+    def forward(ctx, a, b, bias, residual, activation, compute, out_dtype):
+        out, preact = _gemm(a, b, bias, residual, activation, compute, out_dtype, activation != "none")
+        _save(ctx, a, b, bias, residual, activation, compute, preact)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grads = _gemm_backward(ctx.saved_tensors, ctx.options, ctx.needs_input_grad[:4], grad_out)
+        return (*grads, None, None, None)
+
+
+# ----------------------------------------------------------------------------- public function
+def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: Optional[torch.Tensor] = None, activation: Optional[str] = None,
+         residual: Optional[torch.Tensor] = None, precision: str = "auto",
+         out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """act(a @ b + bias) + residual in one kernel.
+
+    a (..., M, K) and b (..., K, N) with batch dims that broadcast (b may be (K, N)); any
+    strides (a transposed weight needs no copy). bias (N,), any float dtype. activation
+    None, "gelu", "gelu_tanh", "silu" or "relu", applied before the residual is added.
+    precision: "auto" (the inputs' dtype; float32 follows torch.backends.cuda.matmul.allow_tf32
+    on a GPU, and kernelforge.precision(...) changes the default), or "fp32", "tf32", "fp16",
+    "bf16": the operands are rounded to it, products accumulate in float32, the epilogue
+    runs in float32. out_dtype: the result's dtype, by default the inputs' (promoted).
+    Differentiable in a, b, bias and residual."""
+    act = _activation_name(activation)
+    compute = resolve_compute(a, b, precision)
+    out_dtype = out_dtype or torch.promote_types(a.dtype, b.dtype)
+    if out_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"kernelforge.gemm: out_dtype must be a float dtype, got {out_dtype}")
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, b, bias, residual))
+    if not plain_eager_call(a, b, bias, residual):
+        return gemm_op(a, b, bias, residual, act, compute, out_dtype, grads and act != "none")[0]
+    if grads:
+        return _EagerGemm.apply(a, b, bias, residual, act, compute, out_dtype)
+    return _gemm(a, b, bias, residual, act, compute, out_dtype, False)[0]
+
+
+__all__ = ["gemm", "precision"]
