@@ -4,7 +4,7 @@ Adding an op to `kernelforge bench` means adding one `Suite` here: the shape gri
 large shapes of shared/TARGETS.md, latency shapes where per-call overhead dominates, and
 small CPU shapes), how to make inputs, what one call must move and compute (`Cost`), and
 the baselines (PyTorch eager, torch.compile, peers when importable). The attention suites
-are in kernelforge.bench.attention_suites.
+are in kernelforge.bench.attention_suites, the GEMM suites in kernelforge.bench.gemm_suites.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 import kernelforge as kf
 from kernelforge import backends
 from kernelforge.bench.attention_suites import attention_suites
+from kernelforge.bench.gemm_suites import gemm_suites
 from kernelforge.bench.roofline import Cost
 
 Shape = tuple
@@ -268,6 +269,7 @@ SUITES: dict[str, Suite] = {
     "geglu": _gated_suite("geglu", lambda gate, up: kf.geglu(gate, up, approximate="tanh"),  # Liger's form
                           lambda gate, up: torch.nn.functional.gelu(gate, approximate="tanh") * up, _liger_geglu),
     **attention_suites(),
+    **gemm_suites(),
 }
 
 
