@@ -65,3 +65,15 @@ def assert_matches_oracle(
         f"{what}: max error {err:.3e} exceeds 2 x PyTorch's {base:.3e} + floor "
         f"{floor:.3e} (dtype {ours.dtype})"
     )
+
+
+def assert_compiled_matches_eager(eager, compiled, inputs) -> None:
+    """A scalar-valued function and its torch.compile agree in value and in the gradients of
+    every input (to assert_close's default tolerance for the dtype)."""
+    expected = eager(*inputs)
+    grads = torch.autograd.grad(expected, inputs)
+    got = compiled(*inputs)
+    got_grads = torch.autograd.grad(got, inputs)
+    torch.testing.assert_close(got, expected)
+    for a, e in zip(got_grads, grads):
+        torch.testing.assert_close(a, e)

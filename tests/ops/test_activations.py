@@ -14,7 +14,7 @@ from kernelforge.ops import activations as ops
 from kernelforge.ops import gated_activations as gated
 from kernelforge.reference import activations as reference
 from tests.conftest import HAS_CUDA, backend_cases
-from tests.numerics import assert_matches_oracle
+from tests.numerics import assert_compiled_matches_eager, assert_matches_oracle
 
 KINDS = reference.KINDS
 GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -445,13 +445,7 @@ def test_torch_compile_fullgraph(device):
     x = torch.randn(8, 16, device=device, requires_grad=True)
     w = torch.randn(16, 16, device=device, requires_grad=True)
     b = torch.randn(16, device=device, requires_grad=True)
-    expected = block(x, w, b)
-    grads = torch.autograd.grad(expected, (x, w, b))
-    got = compiled(x, w, b)
-    compiled_grads = torch.autograd.grad(got, (x, w, b))
-    torch.testing.assert_close(got, expected)
-    for a, e in zip(compiled_grads, grads):
-        torch.testing.assert_close(a, e)
+    assert_compiled_matches_eager(block, compiled, (x, w, b))
 
 
 def test_reference_is_the_definition():

@@ -10,7 +10,7 @@ import kernelforge as kf
 from kernelforge.ops import gemm as gemm_ops
 from kernelforge.reference import gemm as reference
 from tests.conftest import backend_cases
-from tests.numerics import assert_matches_oracle
+from tests.numerics import assert_compiled_matches_eager, assert_matches_oracle
 
 GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TORCH_ACT = {None: lambda z: z, "gelu": F.gelu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
@@ -223,13 +223,7 @@ def test_torch_compile_matches_eager(backend, device):
 
     compiled = torch.compile(f, backend="aot_eager" if device == "cpu" else "inductor", fullgraph=True)
     with kf.use_backend(backend):
-        eager = f(a, b, bias)
-        grads = torch.autograd.grad(eager, (a, b, bias))
-        got = compiled(a, b, bias)
-        got_grads = torch.autograd.grad(got, (a, b, bias))
-    torch.testing.assert_close(got, eager)
-    for x, y in zip(got_grads, grads):
-        torch.testing.assert_close(x, y)
+        assert_compiled_matches_eager(f, compiled, (a, b, bias))
 
 
 def test_double_backward_float64():
