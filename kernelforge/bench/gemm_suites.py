@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import kernelforge as kf
 from kernelforge.bench.roofline import Cost
+from kernelforge.ops.gemm import resolve_compute
 
 SQUARES = [(n, n, n) for n in (1024, 2048, 4096, 8192)]
 LLM = [(m, n, k) for m in (16, 128, 4096) for n, k in ((4096, 4096), (14336, 4096), (4096, 14336))]
@@ -55,8 +56,10 @@ def _eager_and_compiled(eager):
 
 
 def _support_args(inputs, direction):
-    a, weight = inputs[:2]
-    return (a, weight.t()), {"compute": {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(a.dtype, "fp32")}
+    """What the gemm registry's predicates take: the operands as kf.gemm sees them, and the
+    compute mode its precision="auto" resolves to."""
+    a, b = inputs[0], inputs[1].t()
+    return (a, b), {"compute": resolve_compute(a, b, "auto")}
 
 
 def gemm_suites() -> dict:

@@ -31,7 +31,8 @@ from typing import Iterator, Optional
 import torch
 
 from kernelforge import backends
-from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, plain_eager_call, require
+from kernelforge.ops._common import (FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, plain_eager_call,
+                                     require)
 from kernelforge.reference.activations import KINDS
 
 OP = "gemm"

@@ -282,7 +282,7 @@ def flash_backward_dkdv_kernel(
                     dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm,
                                         qb * MB_Q + sub * BLOCK_M, offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT,
                                         RIGHT, qk_scale, mask_base, smm, smn, BITS, partial_id, True, HEAD_DIM,
-                                        HEAD_DIM_V,                                         True, HAS_LEFT, HAS_RIGHT, MASK_KIND, True, MB_Q, MB_K, PRECISION)
+                                        HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, True, MB_Q, MB_K, PRECISION)
         else:
             lo, full_lo, full_hi, hi = _col_range(n0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
             if ONE_LOOP:
@@ -373,16 +373,16 @@ def flash_backward_dq_kernel(
             for sub in tl.static_range(MB_K // BLOCK_N):
                 dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, kb * MB_K + sub * BLOCK_N, offs_m,
                               offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS,
-                              -1, True, HEAD_DIM, HEAD_DIM_V, HAS_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K,
-                              PRECISION)
+                              -1, True, HEAD_DIM, HEAD_DIM_V, HAS_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q,
+                              MB_K, PRECISION)
         for t in range(full, count):
             kb = tl.load(BLOCKS + list_base + t)
             partial_id = tl.load(PARTIAL + list_base + t)
             for sub in tl.static_range(MB_K // BLOCK_N):
                 dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, kb * MB_K + sub * BLOCK_N, offs_m,
                               offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS,
-                              partial_id, True, HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, True, MB_Q, MB_K,
-                              PRECISION)
+                              partial_id, True, HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, True,
+                              MB_Q, MB_K, PRECISION)
     else:
         lo, full_lo, full_hi, hi = _row_range(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         if ONE_LOOP:

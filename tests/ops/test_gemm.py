@@ -38,7 +38,9 @@ def torch_gemm(a, b, bias=None, activation=None, residual=None):
 def term_scale(a, b):
     """max over outputs of sum_k |a_ik b_kj|: the scale of a dot product's rounding errors,
     which cancellation does not shrink."""
-    return torch.matmul(a.detach().double().abs(), b.detach().double().abs()).max().item() if a.numel() and b.numel() else 0.0
+    if a.numel() == 0 or b.numel() == 0:
+        return 0.0
+    return torch.matmul(a.detach().double().abs(), b.detach().double().abs()).max().item()
 
 
 def check(backend, device, dtype, a, b, bias=None, activation=None, residual=None, precision="auto",
@@ -259,8 +261,10 @@ def test_explain_names_the_gemm_backends():
     (lambda: kf.gemm(torch.randn(3), torch.randn(3, 2)), ValueError, "a must have at least 2 dims"),
     (lambda: kf.gemm(torch.randn(3, 4), torch.randn(5, 2)), RuntimeError, r"a's last dim \(4\) must equal"),
     (lambda: kf.gemm(torch.randn(2, 3, 4), torch.randn(3, 4, 2)), ValueError, "do not broadcast"),
-    (lambda: kf.gemm(torch.randn(3, 4), torch.randn(4, 2), bias=torch.randn(3)), RuntimeError, r"bias must have shape \(2,\)"),
-    (lambda: kf.gemm(torch.randn(3, 4), torch.randn(4, 2), residual=torch.randn(4, 2)), ValueError, "residual of shape"),
+    (lambda: kf.gemm(torch.randn(3, 4), torch.randn(4, 2), bias=torch.randn(3)), RuntimeError,
+     r"bias must have shape \(2,\)"),
+    (lambda: kf.gemm(torch.randn(3, 4), torch.randn(4, 2), residual=torch.randn(4, 2)), ValueError,
+     "residual of shape"),
     (lambda: kf.gemm(torch.randn(3, 4), torch.randn(4, 2), activation="tanh"), ValueError, "activation must be one of"),
     (lambda: kf.gemm(torch.randn(3, 4), torch.randn(4, 2), precision="fp8"), ValueError, "precision must be one of"),
     (lambda: kf.gemm(torch.randn(3, 4).int(), torch.randn(4, 2), precision="fp32"), TypeError, "a must have dtype"),
