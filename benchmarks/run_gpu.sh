@@ -5,6 +5,8 @@
 #   tests    the GPU suite (pytest -m gpu): op tests spread over 8 workers, then the timing tests alone
 #   focus    the GPU tests in $FOCUS_TESTS only (8 workers), e.g. FOCUS_TESTS="tests/ops/test_attention.py"
 #   attention-sweep  benchmarks/attention_sweep.py (tile sweep next to SDPA flash / cuDNN)
+#   window   benchmarks/window_experiment.py $WINDOW_ARGS (the sliding-window band walks, Flex)
+#   gemm-sweep  benchmarks/gemm_sweep.py $GEMM_SWEEP_ARGS (tile configs and a TMA kernel against cuBLAS)
 #   harness  kernelforge bench $BENCH_OPS (default all) --dtype $BENCH_DTYPE (default bf16) --crosscheck
 # Everything lands in $OUT/results/ and is packed into $OUT/results.tgz (the device returns
 # at most 8 files), exactly as produced.
@@ -39,13 +41,20 @@ for stage in $stages; do
       status=$(( status | $? ))
       grep -E "^(FAILED|ERROR)" "$R/gpu-tests.log" | head -60; tail -n 2 "$R/gpu-tests.log" "$R/gpu-tests-timing.log" ;;
     focus)
-      timeout "${FOCUS_TIMEOUT:-420}" python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 8 --durations=15 $FOCUS_TESTS \
+      timeout "${FOCUS_TIMEOUT:-420}" python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 8 --durations=15 \
+        -k "${FOCUS_K:-}" $FOCUS_TESTS \
         > "$R/gpu-focus-tests.log" 2>&1
       status=$(( status | $? ))
       grep -E "^(FAILED|ERROR)" "$R/gpu-focus-tests.log" | head -40; tail -n 2 "$R/gpu-focus-tests.log" ;;
     attention-sweep)
       timeout "${SWEEP_TIMEOUT:-400}" python3 benchmarks/attention_sweep.py --out "$R" $SWEEP_ARGS > "$R/attention-sweep.log" 2>&1
       status=$(( status | $? )); grep -v "^   " "$R/attention-sweep.log" | tail -n 14 ;;
+    window)
+      timeout "${WINDOW_TIMEOUT:-200}" python3 benchmarks/window_experiment.py ${WINDOW_ARGS:-} > "$R/window.log" 2>&1
+      status=$(( status | $? )); cat "$R/window.log" | tail -n 12 ;;
+    gemm-sweep)
+      timeout "${GEMM_SWEEP_TIMEOUT:-300}" python3 benchmarks/gemm_sweep.py ${GEMM_SWEEP_ARGS:-} > "$R/gemm-sweep.log" 2>&1
+      status=$(( status | $? )); tail -n 4 "$R/gemm-sweep.log" ;;
     harness)
       timeout "${BENCH_TIMEOUT:-540}" python3 -m kernelforge.cli bench ${BENCH_OPS:-all} --dtype "${BENCH_DTYPE:-bf16}" \
         --crosscheck --out "$R" > "$R/harness.log" 2>&1

@@ -1,10 +1,16 @@
 """Launcher of the Triton GEMM (kernelforge/triton/gemm_kernels.py): the gemm op's backend
 interface, as kernelforge/reference/gemm.py defines it.
 
-Tiles are autotuned on the GPU, once per (M rounded up to a power of two, N, K, strides'
-unit-ness, dtypes, epilogue) in a process: a first call at a new shape costs the compiles
-and timings of the candidates (seconds), later calls none. Under TRITON_INTERPRET=1 one
-small tile runs, so the CPU suite stays fast.
+Two kernels: on Hopper (sm_90+), one matrix of fp16/bf16 operands in their own dtype, with
+more than 64 rows, 16-byte-aligned rows and one unit stride each, goes through TMA
+descriptors (gemm_tma_kernel); everything else (batches, fp32 / tf32, few rows, odd strides,
+older GPUs) through pointers (gemm_kernel). USE_TMA overrides the choice (True / False;
+None: that rule), so the tests run both kernels, also under Triton's interpreter.
+
+Tiles are autotuned on the GPU, once per (M rounded up to a power of two, N, K, operand
+layout, dtypes, epilogue) in a process: a first call at a new shape costs the compiles and
+timings of the candidates (seconds), later calls none. Under TRITON_INTERPRET=1 one small
+tile runs, so the CPU suite stays fast.
 """
 from __future__ import annotations
 
@@ -13,12 +19,14 @@ from typing import Optional
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernelforge.triton import interpreter_enabled
 from kernelforge.triton._launch import on_device, sm_count
-from kernelforge.triton.gemm_kernels import gemm_kernel
+from kernelforge.triton.gemm_kernels import gemm_kernel, gemm_tma_kernel
 
-_TL_DTYPES = {"fp32": "fp32", "tf32": "fp32", "fp16": "fp16", "bf16": "bf16"}
+USE_TMA: Optional[bool] = None
+_TMA_MIN_ROWS = 65  # at 16 rows the pointer kernel's 16-row tiles win (benchmarks/gemm_sweep.py)
 _PRECISION = {"fp32": "ieee", "tf32": "tf32", "fp16": "tf32", "bf16": "tf32"}  # 16-bit: the argument is ignored
 
 
@@ -28,20 +36,49 @@ def _config(m, n, k, warps, stages, group=8):
 
 
 # Candidates. 16-bit operands: the Hopper shapes of Triton's matmul tutorial and smaller
-# tiles for few rows (M = 16..128 tokens) or narrow N; fp32 operands (tf32 / IEEE) take
-# half the K depth for the same shared memory. Not yet swept on our GPUs (issue 6).
+# tiles for few rows (M = 16..128 tokens: at 16 rows of a 4096-wide output, 16 x 32 tiles
+# give 128 programs to stream the weight) or narrow N; fp32 operands (tf32 / IEEE) take
+# half the K depth for the same shared memory. The H200 sweep (benchmarks/gemm_sweep.py):
+# 128 x 256 x 64 / 8 warps / 3 stages is the best at 4096^3 and 8192^3.
 CONFIGS_16BIT = [
     _config(128, 256, 64, 8, 3), _config(128, 128, 64, 8, 4), _config(128, 128, 64, 4, 4),
     _config(64, 256, 64, 4, 4), _config(128, 64, 64, 4, 4), _config(64, 128, 128, 4, 3),
-    _config(64, 64, 128, 4, 4), _config(32, 64, 256, 4, 3),
+    _config(64, 64, 128, 4, 4), _config(32, 64, 256, 4, 3), _config(16, 64, 256, 4, 4), _config(16, 32, 256, 4, 4),
 ]
 CONFIGS_32BIT = [
     _config(128, 128, 32, 8, 3), _config(128, 256, 32, 8, 3), _config(128, 64, 32, 4, 4),
     _config(64, 128, 32, 4, 4), _config(64, 64, 64, 4, 3), _config(32, 64, 128, 4, 3),
 ]
+CONFIGS_TMA = [  # the fastest of benchmarks/gemm_sweep.py's TMA candidates at each of its shapes
+    _config(128, 256, 64, 8, 3), _config(128, 128, 64, 4, 4), _config(128, 128, 64, 8, 4),
+    _config(128, 128, 128, 8, 3), _config(64, 256, 64, 4, 4), _config(64, 128, 64, 4, 4),
+]
 INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1)
 AUTOTUNE_KEY = ["M_BUCKET", "N", "K", "sak", "sbn", "COMPUTE", "ACTIVATION", "HAS_BIAS", "HAS_RESIDUAL",
                 "SAVE_PREACT"]
+TMA_AUTOTUNE_KEY = ["M_BUCKET", "N", "K", "A_K_CONTIGUOUS", "B_N_CONTIGUOUS", "COMPUTE", "ACTIVATION", "HAS_BIAS",
+                    "HAS_RESIDUAL", "SAVE_PREACT"]
+
+
+def _prune(configs, named_args, **kwargs):
+    """Drop tiles wider than the problem along M or N (rounded up to a power of two), keeping
+    at least the narrowest: a 128-row tile over 16 token rows computes 8x the work, and each
+    candidate costs the autotuner a compile and a timing."""
+    def narrowest_fit(dim, extent):
+        smallest = min(c.kwargs[dim] for c in configs)
+        return max(triton.next_power_of_2(extent), smallest)
+
+    max_m, max_n = narrowest_fit("BLOCK_M", named_args["M"]), narrowest_fit("BLOCK_N", named_args["N"])
+    return [c for c in configs if c.kwargs["BLOCK_M"] <= max_m and c.kwargs["BLOCK_N"] <= max_n]
+
+
+def _tma_block_shapes(nargs):
+    """Autotuner pre-hook: each descriptor's block is the config's tile, in the operand's
+    memory order."""
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["a_desc"].block_shape = [bm, bk] if nargs["A_K_CONTIGUOUS"] else [bk, bm]
+    nargs["b_desc"].block_shape = [bk, bn] if nargs["B_N_CONTIGUOUS"] else [bn, bk]
+    nargs["c_desc"].block_shape = [bm, bn]
 
 
 def _even_k(args):
@@ -50,12 +87,70 @@ def _even_k(args):
 
 @functools.lru_cache(maxsize=None)
 def _kernel(sixteen_bit: bool):
-    """The kernel as launched: autotuned on the GPU (one tuner per operand width), plain
-    in the interpreter."""
+    """The pointer kernel as launched: autotuned on the GPU (one tuner per operand width),
+    plain in the interpreter."""
     kernel = triton.heuristics({"EVEN_K": _even_k})(gemm_kernel)
     if interpreter_enabled():
         return kernel
-    return triton.autotune(configs=CONFIGS_16BIT if sixteen_bit else CONFIGS_32BIT, key=AUTOTUNE_KEY)(kernel)
+    return triton.autotune(configs=CONFIGS_16BIT if sixteen_bit else CONFIGS_32BIT, key=AUTOTUNE_KEY,
+                           prune_configs_by={"early_config_prune": _prune})(kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def _tma_kernel():
+    if interpreter_enabled():
+        return gemm_tma_kernel
+    configs = [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=_tma_block_shapes)
+               for c in CONFIGS_TMA]
+    return triton.autotune(configs=configs, key=TMA_AUTOTUNE_KEY,
+                           prune_configs_by={"early_config_prune": _prune})(gemm_tma_kernel)
+
+
+def _tma_descriptor(t: torch.Tensor, unit_dim: int) -> Optional[TensorDescriptor]:
+    """A TMA descriptor of t (2-D) with its unit-stride dim last, or None when TMA cannot read
+    it that way (that stride is not 1, rows are not a multiple of 16 bytes apart, the start
+    is not 16-byte aligned, an extent is 0). Its block shape is set per config later."""
+    view = t if unit_dim == 1 else t.t()
+    rows, cols = view.shape
+    if rows == 0 or cols == 0 or view.data_ptr() % 16:
+        return None
+    if view.stride(1) != 1 and cols > 1:
+        return None
+    # A stride over an extent of 1 is never followed: any aligned value describes the view.
+    row_stride = view.stride(0) if rows > 1 else -(-cols // 8) * 8
+    if row_stride * view.element_size() % 16:
+        return None
+    return TensorDescriptor(view, [rows, cols], [row_stride, 1], [16, 16])
+
+
+def _tma_operands(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, compute: str):
+    """Descriptors of a, b and out and the operands' memory orders for gemm_tma_kernel, or
+    None when it cannot take them: a batch, operands not 16-bit in the compute dtype, or a
+    layout TMA cannot read."""
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(compute)
+    if a.shape[0] != 1 or b.shape[0] != 1 or not a.dtype == b.dtype == dtype:
+        return None
+    found = {}
+    for name, t, natural in (("a", a[0], "A_K_CONTIGUOUS"), ("b", b[0], "B_N_CONTIGUOUS")):
+        for unit_dim in (1, 0):
+            desc = _tma_descriptor(t, unit_dim)
+            if desc is not None:
+                found[name], found[natural] = desc, unit_dim == 1
+                break
+        else:
+            return None
+    out_desc = _tma_descriptor(out[0], 1)
+    if out_desc is None:
+        return None
+    return (found["a"], found["b"], out_desc), {k: found[k] for k in ("A_K_CONTIGUOUS", "B_N_CONTIGUOUS")}
+
+
+def _take_tma(a: torch.Tensor) -> bool:
+    if USE_TMA is not None:
+        return USE_TMA
+    if interpreter_enabled() or a.device.type != "cuda" or torch.cuda.get_device_capability(a.device)[0] < 9:
+        return False
+    return a.shape[1] >= _TMA_MIN_ROWS
 
 
 def _strides(t: Optional[torch.Tensor], fallback: torch.Tensor):
@@ -69,23 +164,40 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residua
     N = b.shape[2]
     out = torch.empty(batch, M, N, dtype=out_dtype, device=a.device)
     preact = torch.empty_like(out) if save_preact else None
-    sixteen_bit = compute in ("fp16", "bf16")
-    kernel = _kernel(sixteen_bit)
+    epilogue = dict(ACTIVATION=activation or "none", HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+                    SAVE_PREACT=save_preact, PRECISE=not interpreter_enabled())
+    pointers = (bias if bias is not None else out, residual if residual is not None else out,
+                preact if preact is not None else out)
+    tma = _tma_operands(a, b, out, compute) if _take_tma(a) else None
     sms = sm_count(a.device)
 
     def grid(meta):
         tiles = batch * triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
         return (max(1, min(sms, tiles)),)
 
-    fixed = INTERPRETER_CONFIG if interpreter_enabled() else {}
     with on_device(a):
-        kernel[grid](
-            a, b, out, bias if bias is not None else out, residual if residual is not None else out,
-            preact if preact is not None else out,
-            M, N, K, *a.stride(), *b.stride(), *out.stride(), *_strides(residual, out), *_strides(preact, out),
-            batch, triton.next_power_of_2(M),
-            COMPUTE=_TL_DTYPES[compute], PRECISION=_PRECISION[compute],
-            ACTIVATION=activation or "none", HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-            SAVE_PREACT=save_preact, PRECISE=not interpreter_enabled(), **fixed,
+        if tma is not None:
+            _launch_tma(tma, out, pointers, residual, preact, M, N, K, compute, epilogue, sms)
+            return out, preact
+        fixed = INTERPRETER_CONFIG if interpreter_enabled() else {}
+        _kernel(compute in ("fp16", "bf16"))[grid](
+            a, b, out, *pointers, M, N, K, *a.stride(), *b.stride(), *out.stride(), *_strides(residual, out),
+            *_strides(preact, out), batch, triton.next_power_of_2(M),
+            COMPUTE=compute, PRECISION=_PRECISION[compute], **epilogue, **fixed,
         )
     return out, preact
+
+
+def _launch_tma(tma, out, pointers, residual, preact, M, N, K, compute, epilogue, sms):
+    descriptors, orders = tma
+    fixed = INTERPRETER_CONFIG if interpreter_enabled() else {}
+    if fixed:  # on the GPU the autotuner's pre-hook sets the block shapes per config
+        _tma_block_shapes(dict(zip(("a_desc", "b_desc", "c_desc"), descriptors), **orders, **fixed))
+
+    def grid(meta):  # at most `sms` programs, each walking the tiles `sms` apart
+        return (max(1, min(sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]))),)
+
+    _tma_kernel()[grid](
+        *descriptors, *pointers, M, N, K, *_strides(residual, out)[1:], *_strides(preact, out)[1:],
+        triton.next_power_of_2(M), sms, COMPUTE=compute, **orders, **epilogue, **fixed,
+    )

@@ -13,8 +13,8 @@ per tile and the next tile's loads start while the last one finishes.
 
 Operands are read through their strides (transposed or sliced views need no copy; Triton
 specializes a unit stride, so the common layouts load in 16-byte vectors), converted in
-registers to the compute dtype (COMPUTE: fp16 / bf16 operands of fp32 inputs are rounded
-there, not in a separate pass) and multiplied with tl.dot at PRECISION ("ieee" for fp32,
+registers to the compute dtype (COMPUTE: fp16 / bf16 / tf32 operands of fp32 inputs are
+rounded there, not in a separate pass) and multiplied with tl.dot at PRECISION ("ieee" for fp32,
 "tf32", or the 16-bit tensor-core path), accumulating in float32.
 """
 from __future__ import annotations
@@ -47,8 +47,36 @@ def _operand(x, COMPUTE: tl.constexpr):
         return x.to(tl.float16)
     elif COMPUTE == "bf16":
         return x.to(tl.bfloat16)
+    elif COMPUTE == "tf32":
+        # The tensor cores drop the 13 low mantissa bits (truncation); round to nearest first,
+        # ties away from zero (cvt.rna.tf32.f32), as the reference does. Inf and NaN pass.
+        x = x.to(tl.float32)
+        rounded = ((x.to(tl.int32, bitcast=True) + 0x1000) & -0x2000).to(tl.float32, bitcast=True)
+        return tl.where(tl.abs(x) < float("inf"), rounded, x)
     else:
         return x.to(tl.float32)
+
+
+@triton.jit
+def _epilogue(acc, offs_m, offs_n, M, N, BIAS, RES, PRE, srm, srn, spm, spn,
+              ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+              SAVE_PREACT: tl.constexpr, PRECISE: tl.constexpr):
+    """(act(acc + bias) + residual in float32, the in-range mask) of one output tile; stores
+    acc (a @ b before the bias) to PRE when the backward needs it for act'. RES and PRE point
+    at the tile's matrix (its batch already added)."""
+    inside = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if SAVE_PREACT:
+        tl.store(PRE + offs_m[:, None].to(tl.int64) * spm + offs_n[None, :] * spn, acc.to(PRE.dtype.element_ty),
+                 mask=inside)
+    z = acc
+    if HAS_BIAS:
+        z += tl.load(BIAS + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    if ACTIVATION != "none":
+        z = _activation(z, ACTIVATION, PRECISE)
+    if HAS_RESIDUAL:
+        z += tl.load(RES + offs_m[:, None].to(tl.int64) * srm + offs_n[None, :] * srn, mask=inside,
+                     other=0.0).to(tl.float32)
+    return z, inside
 
 
 @triton.jit
@@ -74,8 +102,14 @@ def gemm_kernel(
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         # Rows / columns past the edge read row 0 / column 0 instead of masking every load:
         # their results are never stored, and the loads stay unmasked along M and N.
-        rows = tl.where(offs_m < M, offs_m, 0)
-        cols = tl.where(offs_n < N, offs_n, 0)
+        # The hints restore what tl.where hides from Triton's analysis: each run of BLOCK
+        # offsets starts at a multiple of BLOCK and is contiguous, so a unit-stride operand
+        # (a column-major a, a row-major b) loads in 16-byte vectors. Without them a row-major
+        # b loads element by element, 50x slower (benchmarks/gemm_sweep.py, "nn"). In a
+        # clamped tail a vector may read columns past N of the same aligned 16 bytes: their
+        # lanes are never stored.
+        rows = tl.max_contiguous(tl.multiple_of(tl.where(offs_m < M, offs_m, 0), BLOCK_M), BLOCK_M)
+        cols = tl.max_contiguous(tl.multiple_of(tl.where(offs_n < N, offs_n, 0), BLOCK_N), BLOCK_N)
         a_ptrs = A + batch.to(tl.int64) * sab + rows[:, None].to(tl.int64) * sam + offs_k[None, :] * sak
         b_ptrs = B + batch.to(tl.int64) * sbb + offs_k[:, None] * sbk + cols[None, :].to(tl.int64) * sbn
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -89,17 +123,56 @@ def gemm_kernel(
             acc = tl.dot(_operand(a, COMPUTE), _operand(b, COMPUTE), acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K * sak
             b_ptrs += BLOCK_K * sbk
-        inside = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        if SAVE_PREACT:
-            tl.store(PRE + batch.to(tl.int64) * spb + offs_m[:, None].to(tl.int64) * spm + offs_n[None, :] * spn,
-                     acc.to(PRE.dtype.element_ty), mask=inside)
-        z = acc
-        if HAS_BIAS:
-            z += tl.load(BIAS + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        if ACTIVATION != "none":
-            z = _activation(z, ACTIVATION, PRECISE)
-        if HAS_RESIDUAL:
-            z += tl.load(RES + batch.to(tl.int64) * srb + offs_m[:, None].to(tl.int64) * srm + offs_n[None, :] * srn,
-                         mask=inside, other=0.0).to(tl.float32)
+        z, inside = _epilogue(acc, offs_m, offs_n, M, N, BIAS, RES + batch.to(tl.int64) * srb,
+                              PRE + batch.to(tl.int64) * spb, srm, srn, spm, spn,
+                              ACTIVATION, HAS_BIAS, HAS_RESIDUAL, SAVE_PREACT, PRECISE)
         tl.store(C + batch.to(tl.int64) * scb + offs_m[:, None].to(tl.int64) * scm + offs_n[None, :] * scn,
                  z.to(C.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def gemm_tma_kernel(
+    a_desc, b_desc, c_desc, BIAS, RES, PRE,
+    M, N, K, srm, srn, spm, spn, M_BUCKET, NUM_PROGRAMS,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    A_K_CONTIGUOUS: tl.constexpr, B_N_CONTIGUOUS: tl.constexpr, COMPUTE: tl.constexpr,
+    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SAVE_PREACT: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    """One matrix (batch 1) of 16-bit operands, through Hopper's tensor memory accelerator:
+    a, b and the output move by TMA descriptors built on the host, whose block shapes the
+    autotuner's pre-hook sets per config. The copy engine computes addresses and zero-fills
+    what lies past M, N or K, so the K loop has no masks and no address math; each operand
+    may be stored either way round (A_K_CONTIGUOUS: a is (M, K) row-major, else its
+    transpose is; B_N_CONTIGUOUS: b is (K, N) row-major, else b^T is, as a Linear weight).
+    COMPUTE (fp16 / bf16) is the operands' own dtype here; it only keys the autotuner.
+    Same work and bytes as gemm_kernel; 0.94-1.04x cuBLAS where gemm_kernel gives 0.91-1.0x
+    on an H200 (benchmarks/gemm_sweep.py)."""
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    num_tiles = tiles_m * tiles_n
+    # The epilogue takes its tile from its own counter, so the software pipeliner (which
+    # overlaps the next tile's loads with this tile's tail) need not keep the prologue's
+    # coordinates alive across the K loop.
+    tile_c = tl.program_id(0) - NUM_PROGRAMS
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
+        _, pid_m, pid_n = _tile_coordinates(tile, tiles_m, tiles_n, GROUP_M)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for ki in range(k_tiles):
+            if A_K_CONTIGUOUS:
+                a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
+            else:
+                a = a_desc.load([ki * BLOCK_K, pid_m * BLOCK_M]).T
+            if B_N_CONTIGUOUS:
+                b = b_desc.load([ki * BLOCK_K, pid_n * BLOCK_N])
+            else:
+                b = b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K]).T
+            acc = tl.dot(a, b, acc)
+        tile_c += NUM_PROGRAMS
+        _, pid_m, pid_n = _tile_coordinates(tile_c, tiles_m, tiles_n, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        z, _ = _epilogue(acc, offs_m, offs_n, M, N, BIAS, RES, PRE, srm, srn, spm, spn,
+                         ACTIVATION, HAS_BIAS, HAS_RESIDUAL, SAVE_PREACT, PRECISE)
+        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], z.to(c_desc.dtype))

@@ -147,6 +147,41 @@ def test_strided_transposed_and_broadcast_operands(backend, device, dtype):
         check(backend, device, dtype, a, weight.t(), None, "relu", residual, what=label)
 
 
+@pytest.mark.parametrize("backend,device", backend_cases(("triton",)))
+@pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointers"])
+def test_both_triton_kernels_on_every_layout(backend, device, use_tma, monkeypatch):
+    # The TMA kernel takes one matrix of 16-bit operands with 16-byte-aligned rows, either
+    # memory order; the pointer kernel takes anything. Forced each way here (the GPU's own
+    # rule sends these 70-row products through TMA); the backward's GEMMs read the operands
+    # transposed, so each layout reaches both kernels in both orders. N = 52 (104-byte rows)
+    # is one TMA cannot read: it falls back to pointers.
+    from kernelforge.triton import gemm as triton_gemm
+
+    launches = []
+    launch_tma = triton_gemm._launch_tma
+
+    def counted(*args):
+        launches.append(args)
+        return launch_tma(*args)
+
+    monkeypatch.setattr(triton_gemm, "USE_TMA", use_tma)
+    monkeypatch.setattr(triton_gemm, "_launch_tma", counted)
+    M, K, N = 70, 40, 56
+    for dtype in [torch.float16] + ([torch.bfloat16] if device == "cuda" else []):
+        weight = torch.randn(N, K, device=device, dtype=dtype) / K ** 0.5
+        layouts = {"a rows, b = Linear weight^T": (torch.randn(M, K, device=device, dtype=dtype), weight.t()),
+                   "a^T, b rows": (torch.randn(K, M, device=device, dtype=dtype).t(), weight.t().contiguous())}
+        for label, (a, b) in layouts.items():
+            bias = torch.randn(N, device=device, dtype=dtype)
+            residual = torch.randn(M, N, device=device, dtype=dtype)
+            check(backend, device, dtype, a, b, bias, "gelu_tanh", residual, what=f"{label} tma={use_tma}")
+    assert bool(launches) == use_tma
+    launches.clear()
+    a, b = torch.randn(M, K, device=device, dtype=torch.float16), torch.randn(K, 52, device=device, dtype=torch.float16)
+    check(backend, device, torch.float16, a, b / K ** 0.5, None, "relu", what="unaligned rows")
+    assert not launches
+
+
 @pytest.mark.parametrize("backend,device", backend_cases(("reference", "triton")))
 def test_precision_modes(backend, device):
     # float32 inputs computed at 16 bits, float16 inputs at float32: the yardstick is PyTorch

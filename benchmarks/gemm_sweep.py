@@ -1,0 +1,118 @@
+"""How far is each of kernelforge's Triton GEMM kernels from cuBLAS, tile config by tile
+config (no autotuning), on this GPU?
+
+For each shape (M, N, K), bf16, b a Linear weight (N, K) read transposed ("nt", x @ W^T) or
+a row-major (K, N) matrix ("nn"):
+- cuBLAS: torch.matmul (with --epilogue also eager linear + gelu(tanh));
+- ptr <config>: gemm_kernel (pointers; kernelforge/triton/gemm.py's CONFIGS_16BIT);
+- tma <config>: gemm_tma_kernel (TMA descriptors, Hopper; CONFIGS_TMA and EXTRA_TMA).
+
+    python3 benchmarks/gemm_sweep.py [--shapes 4096,4096,4096 ...] [--epilogue]
+
+The first run (before gemm_tma_kernel existed) also timed Triton's warp specialization and
+an epilogue stored in two halves: neither helped on the H200 (results/nvidia-h200/gemm/sweep/).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+from kernelforge.triton.gemm import CONFIGS_16BIT, CONFIGS_TMA, _config, _even_k, _tma_block_shapes, _tma_operands
+from kernelforge.triton.gemm_kernels import gemm_kernel, gemm_tma_kernel
+
+EXTRA_TMA = [_config(128, 256, 64, 8, 3, group=4), _config(128, 256, 64, 8, 3, group=16),
+             _config(256, 128, 64, 8, 3), _config(128, 256, 32, 8, 4)]
+
+
+def _sms(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def tma_gemm(a, b, bias, activation, config):
+    """gemm_tma_kernel at one config; b is the (K, N) operand (a view, either memory order)."""
+    M, K = a.shape
+    N = b.shape[1]
+    c = torch.empty(M, N, device=a.device, dtype=a.dtype)
+    compute = {torch.bfloat16: "bf16", torch.float16: "fp16"}[a.dtype]
+    descriptors, orders = _tma_operands(a[None], b[None], c[None], compute)
+    kw = dict(config.kwargs)
+    _tma_block_shapes(dict(zip(("a_desc", "b_desc", "c_desc"), descriptors), **orders, **kw))
+    sms = _sms(a.device)
+    grid = (min(sms, triton.cdiv(M, kw["BLOCK_M"]) * triton.cdiv(N, kw["BLOCK_N"])),)
+    gemm_tma_kernel[grid](*descriptors, bias if bias is not None else c, c, c, M, N, K, 0, 0, 0, 0,
+                          triton.next_power_of_2(M), sms, COMPUTE=compute, **orders, ACTIVATION=activation or "none",
+                          HAS_BIAS=bias is not None, HAS_RESIDUAL=False, SAVE_PREACT=False, PRECISE=True, **kw,
+                          num_warps=config.num_warps, num_stages=config.num_stages)
+    return c
+
+
+_LIB = triton.heuristics({"EVEN_K": _even_k})(gemm_kernel)
+
+
+def pointer_gemm(a, b, bias, activation, config):
+    """gemm_kernel at one config; b is the (K, N) operand (a view, any strides)."""
+    M, K = a.shape
+    N = b.shape[1]
+    c = torch.empty(M, N, device=a.device, dtype=a.dtype)
+    kw = dict(config.kwargs)
+    tiles = triton.cdiv(M, kw["BLOCK_M"]) * triton.cdiv(N, kw["BLOCK_N"])
+    grid = (min(_sms(a.device), tiles),)
+    _LIB[grid](a, b, c, bias if bias is not None else c, c, c, M, N, K, 0, *a.stride(), 0, *b.stride(),
+               0, *c.stride(), 0, 0, 0, 0, 0, 0, 1, triton.next_power_of_2(M),
+               COMPUTE={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(a.dtype, "fp32"), PRECISION="tf32",
+               ACTIVATION=activation or "none", HAS_BIAS=bias is not None, HAS_RESIDUAL=False, SAVE_PREACT=False,
+               PRECISE=True, **kw, num_warps=config.num_warps, num_stages=config.num_stages)
+    return c
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="*", default=["4096,4096,4096", "8192,8192,8192", "4096,14336,4096",
+                                                    "128,14336,4096", "16,4096,14336"])
+    ap.add_argument("--epilogue", action="store_true", help="also time bias + gelu_tanh fused")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    for spec in args.shapes:
+        M, N, K = map(int, spec.split(","))
+        flops = 2 * M * N * K
+        a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
+        w_kn = w.t().contiguous()
+        bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+        for activation in ((None, "gelu_tanh") if args.epilogue else (None,)):
+            b_ = bias if activation else None
+            if activation:
+                def torch_call():
+                    return F.gelu(F.linear(a, w, bias), approximate="tanh")
+            else:
+                def torch_call():
+                    return torch.matmul(a, w.t())
+            want = torch_call().float()
+            ms = do_bench(torch_call, rep=100)
+            tag = f"{M}x{N}x{K} {activation or 'plain'}"
+            print(f"{tag} cublas{'+eager' if activation else ''}: {ms * 1e3:.1f} us, {flops / ms / 1e9:.0f} TFLOP/s",
+                  flush=True)
+            for layout, b_view in (("nt", w.t()), ("nn", w_kn)):
+                if layout == "nn" and activation:
+                    continue
+                runs = [("ptr", pointer_gemm, c) for c in CONFIGS_16BIT]
+                runs += [("tma", tma_gemm, c) for c in CONFIGS_TMA + EXTRA_TMA]
+                for kind, fn, cfg in runs:
+                    kw = cfg.kwargs
+                    label = (f"{tag} {layout} {kind} {kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']} g{kw['GROUP_M']} "
+                             f"{cfg.num_warps}w/{cfg.num_stages}s")
+                    try:
+                        err = (fn(a, b_view, b_, activation, cfg).float() - want).abs().max().item()
+                        t = do_bench(lambda: fn(a, b_view, b_, activation, cfg), rep=100)
+                        print(f"{label}: {t * 1e3:.1f} us, {flops / t / 1e9:.0f} TFLOP/s, {ms / t:.2f}x (err {err:.3g})",
+                              flush=True)
+                    except Exception as e:  # noqa: BLE001 - a config that does not fit is a result too
+                        print(f"{label}: failed {str(e)[:150]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
