@@ -24,6 +24,7 @@ from triton.testing import do_bench
 from kernelforge.triton.gemm import CONFIGS_16BIT, CONFIGS_TMA, _config, _even_k, _tma_block_shapes, _tma_operands
 from kernelforge.triton.gemm_kernels import gemm_kernel, gemm_tma_kernel
 
+FAST_BF16 = True  # --precise-epilogue: the exp + division activation at bf16 outputs as well
 EXTRA_TMA = [_config(128, 256, 64, 8, 3, group=4), _config(128, 256, 64, 8, 3, group=16),
              _config(256, 128, 64, 8, 3), _config(128, 256, 32, 8, 4)]
 
@@ -45,7 +46,8 @@ def tma_gemm(a, b, bias, activation, config):
     grid = (min(sms, triton.cdiv(M, kw["BLOCK_M"]) * triton.cdiv(N, kw["BLOCK_N"])),)
     gemm_tma_kernel[grid](*descriptors, bias if bias is not None else c, c, c, M, N, K, 0, 0, 0, 0,
                           triton.next_power_of_2(M), sms, COMPUTE=compute, **orders, ACTIVATION=activation or "none",
-                          HAS_BIAS=bias is not None, HAS_RESIDUAL=False, SAVE_PREACT=False, PRECISE=True, **kw,
+                          HAS_BIAS=bias is not None, HAS_RESIDUAL=False, SAVE_PREACT=False, PRECISE=True,
+                          BF16_OUT=FAST_BF16 and a.dtype == torch.bfloat16, **kw,
                           num_warps=config.num_warps, num_stages=config.num_stages)
     return c
 
@@ -65,7 +67,8 @@ def pointer_gemm(a, b, bias, activation, config):
                0, *c.stride(), 0, 0, 0, 0, 0, 0, 1, triton.next_power_of_2(M),
                COMPUTE={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(a.dtype, "fp32"), PRECISION="tf32",
                ACTIVATION=activation or "none", HAS_BIAS=bias is not None, HAS_RESIDUAL=False, SAVE_PREACT=False,
-               PRECISE=True, **kw, num_warps=config.num_warps, num_stages=config.num_stages)
+               PRECISE=True, BF16_OUT=FAST_BF16 and a.dtype == torch.bfloat16, **kw, num_warps=config.num_warps,
+               num_stages=config.num_stages)
     return c
 
 
@@ -74,7 +77,12 @@ def main():
     ap.add_argument("--shapes", nargs="*", default=["4096,4096,4096", "8192,8192,8192", "4096,14336,4096",
                                                     "128,14336,4096", "16,4096,14336"])
     ap.add_argument("--epilogue", action="store_true", help="also time bias + gelu_tanh fused")
+    ap.add_argument("--precise-epilogue", action="store_true", help="no SFU tanh at bf16 outputs")
+    ap.add_argument("--configs", choices=("all", "best"), default="all",
+                    help="best: the 128x256x64 tiles of both kernels only")
     args = ap.parse_args()
+    global FAST_BF16
+    FAST_BF16 = not args.precise_epilogue
     torch.manual_seed(0)
     for spec in args.shapes:
         M, N, K = map(int, spec.split(","))
@@ -101,6 +109,8 @@ def main():
                     continue
                 runs = [("ptr", pointer_gemm, c) for c in CONFIGS_16BIT]
                 runs += [("tma", tma_gemm, c) for c in CONFIGS_TMA + EXTRA_TMA]
+                if args.configs == "best":
+                    runs = [r for r in runs if (r[2].kwargs["BLOCK_M"], r[2].kwargs["BLOCK_N"]) == (128, 256)]
                 for kind, fn, cfg in runs:
                     kw = cfg.kwargs
                     label = (f"{tag} {layout} {kind} {kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']} g{kw['GROUP_M']} "

@@ -165,7 +165,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residua
     out = torch.empty(batch, M, N, dtype=out_dtype, device=a.device)
     preact = torch.empty_like(out) if save_preact else None
     epilogue = dict(ACTIVATION=activation or "none", HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-                    SAVE_PREACT=save_preact, PRECISE=not interpreter_enabled())
+                    SAVE_PREACT=save_preact, PRECISE=not interpreter_enabled(),
+                    BF16_OUT=out_dtype == torch.bfloat16 and not interpreter_enabled())
     pointers = (bias if bias is not None else out, residual if residual is not None else out,
                 preact if preact is not None else out)
     tma = _tma_operands(a, b, out, compute) if _take_tma(a) else None

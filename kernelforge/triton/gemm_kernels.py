@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernelforge.triton.activations import _activation
+from kernelforge.triton.activations import _activation, _activation_for_bf16
 
 
 @triton.jit
@@ -60,10 +60,11 @@ def _operand(x, COMPUTE: tl.constexpr):
 @triton.jit
 def _epilogue(acc, offs_m, offs_n, M, N, BIAS, RES, PRE, srm, srn, spm, spn,
               ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-              SAVE_PREACT: tl.constexpr, PRECISE: tl.constexpr):
+              SAVE_PREACT: tl.constexpr, PRECISE: tl.constexpr, BF16_OUT: tl.constexpr):
     """(act(acc + bias) + residual in float32, the in-range mask) of one output tile; stores
     acc (a @ b before the bias) to PRE when the backward needs it for act'. RES and PRE point
-    at the tile's matrix (its batch already added)."""
+    at the tile's matrix (its batch already added). BF16_OUT: the output is bfloat16, so the
+    SFU's tanh is accurate enough (GPU only; see _activation_for_bf16)."""
     inside = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if SAVE_PREACT:
         tl.store(PRE + offs_m[:, None].to(tl.int64) * spm + offs_n[None, :] * spn, acc.to(PRE.dtype.element_ty),
@@ -71,7 +72,9 @@ def _epilogue(acc, offs_m, offs_n, M, N, BIAS, RES, PRE, srm, srn, spm, spn,
     z = acc
     if HAS_BIAS:
         z += tl.load(BIAS + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    if ACTIVATION != "none":
+    if BF16_OUT and ACTIVATION != "none":
+        z = _activation_for_bf16(z, ACTIVATION, PRECISE)
+    elif ACTIVATION != "none":
         z = _activation(z, ACTIVATION, PRECISE)
     if HAS_RESIDUAL:
         z += tl.load(RES + offs_m[:, None].to(tl.int64) * srm + offs_n[None, :] * srn, mask=inside,
@@ -88,7 +91,7 @@ def gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
     ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SAVE_PREACT: tl.constexpr,
-    PRECISE: tl.constexpr,
+    PRECISE: tl.constexpr, BF16_OUT: tl.constexpr,
 ):
     # M_BUCKET (M rounded up to a power of two) is only the autotuner's key: one tuning per
     # bucket, not one per distinct token count.
@@ -125,7 +128,7 @@ def gemm_kernel(
             b_ptrs += BLOCK_K * sbk
         z, inside = _epilogue(acc, offs_m, offs_n, M, N, BIAS, RES + batch.to(tl.int64) * srb,
                               PRE + batch.to(tl.int64) * spb, srm, srn, spm, spn,
-                              ACTIVATION, HAS_BIAS, HAS_RESIDUAL, SAVE_PREACT, PRECISE)
+                              ACTIVATION, HAS_BIAS, HAS_RESIDUAL, SAVE_PREACT, PRECISE, BF16_OUT)
         tl.store(C + batch.to(tl.int64) * scb + offs_m[:, None].to(tl.int64) * scm + offs_n[None, :] * scn,
                  z.to(C.dtype.element_ty), mask=inside)
 
@@ -137,7 +140,7 @@ def gemm_tma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     A_K_CONTIGUOUS: tl.constexpr, B_N_CONTIGUOUS: tl.constexpr, COMPUTE: tl.constexpr,
     ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SAVE_PREACT: tl.constexpr,
-    PRECISE: tl.constexpr,
+    PRECISE: tl.constexpr, BF16_OUT: tl.constexpr,
 ):
     """One matrix (batch 1) of 16-bit operands, through Hopper's tensor memory accelerator:
     a, b and the output move by TMA descriptors built on the host, whose block shapes the
@@ -174,5 +177,5 @@ def gemm_tma_kernel(
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         z, _ = _epilogue(acc, offs_m, offs_n, M, N, BIAS, RES, PRE, srm, srn, spm, spn,
-                         ACTIVATION, HAS_BIAS, HAS_RESIDUAL, SAVE_PREACT, PRECISE)
+                         ACTIVATION, HAS_BIAS, HAS_RESIDUAL, SAVE_PREACT, PRECISE, BF16_OUT)
         c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], z.to(c_desc.dtype))
