@@ -7,6 +7,7 @@
 #   attention-sweep  benchmarks/attention_sweep.py (tile sweep next to SDPA flash / cuDNN)
 #   window   benchmarks/window_experiment.py $WINDOW_ARGS (the sliding-window band walks, Flex)
 #   gemm-sweep  benchmarks/gemm_sweep.py $GEMM_SWEEP_ARGS (tile configs and a TMA kernel against cuBLAS)
+#   gemm-overhead  benchmarks/gemm_overhead.py (host cost per kf.gemm call, and its profile)
 #   harness  kernelforge bench $BENCH_OPS (default all) --dtype $BENCH_DTYPE (default bf16) --crosscheck
 # Everything lands in $OUT/results/ and is packed into $OUT/results.tgz (the device returns
 # at most 8 files), exactly as produced.
@@ -55,6 +56,9 @@ for stage in $stages; do
     gemm-sweep)
       timeout "${GEMM_SWEEP_TIMEOUT:-300}" python3 benchmarks/gemm_sweep.py ${GEMM_SWEEP_ARGS:-} > "$R/gemm-sweep.log" 2>&1
       status=$(( status | $? )); tail -n 4 "$R/gemm-sweep.log" ;;
+    gemm-overhead)
+      timeout 120 python3 benchmarks/gemm_overhead.py > "$R/gemm-overhead.log" 2>&1
+      status=$(( status | $? )); head -n 15 "$R/gemm-overhead.log" ;;
     harness)
       timeout "${BENCH_TIMEOUT:-540}" python3 -m kernelforge.cli bench ${BENCH_OPS:-all} --dtype "${BENCH_DTYPE:-bf16}" \
         --crosscheck --out "$R" > "$R/harness.log" 2>&1

@@ -26,11 +26,12 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 
 from kernelforge import backends
+from kernelforge.ops import activations as activation_ops
 from kernelforge.ops._common import (FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, plain_eager_call,
                                      require)
 from kernelforge.reference.activations import KINDS
@@ -119,6 +120,20 @@ def resolve_compute(a: torch.Tensor, b: torch.Tensor, precision: str) -> str:
     return "fp16" if a.dtype == torch.float16 else "bf16"
 
 
+def _broadcast(x: Sequence[int], y: Sequence[int]) -> Optional[tuple[int, ...]]:
+    """torch.broadcast_shapes of two shapes, None where they do not broadcast. In Python:
+    torch.broadcast_shapes costs ~15 us a call on the host, more than a small GEMM."""
+    if len(x) < len(y):
+        x, y = y, x
+    out = list(x)
+    for i in range(1, len(y) + 1):
+        if y[-i] != 1 and out[-i] != y[-i]:
+            if out[-i] != 1:
+                return None
+            out[-i] = y[-i]
+    return tuple(out)
+
+
 def _check(a, b, bias, residual, activation: str, compute: str) -> tuple[tuple[int, ...], int, int, int]:
     """(batch shape, M, N, K) of valid inputs, else a message naming the argument."""
     for name, t in (("a", a), ("b", b)):
@@ -137,11 +152,10 @@ def _check(a, b, bias, residual, activation: str, compute: str) -> tuple[tuple[i
     N = b.shape[-1]
     require(b.shape[-2] == K, lambda: f"kernelforge.gemm: a's last dim ({K}) must equal b's second-to-last "
                                       f"(got a {tuple(a.shape)}, b {tuple(b.shape)})")
-    try:
-        batch = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
-    except RuntimeError:
+    batch = _broadcast(a.shape[:-2], b.shape[:-2])
+    if batch is None:
         raise ValueError(f"kernelforge.gemm: the batch dims of a {tuple(a.shape[:-2])} and b {tuple(b.shape[:-2])} "
-                         "do not broadcast") from None
+                         "do not broadcast")
     if bias is not None:
         check_floating("gemm", "bias", bias, FLOAT_DTYPES)
         check_same("gemm", "device", ("a", "bias"), (a.device, bias.device))
@@ -150,11 +164,7 @@ def _check(a, b, bias, residual, activation: str, compute: str) -> tuple[tuple[i
     if residual is not None:
         check_floating("gemm", "residual", residual, FLOAT_DTYPES)
         check_same("gemm", "device", ("a", "residual"), (a.device, residual.device))
-        try:
-            ok = tuple(torch.broadcast_shapes(residual.shape, (*batch, M, N))) == (*batch, M, N)
-        except RuntimeError:
-            ok = False
-        if not ok:
+        if _broadcast(residual.shape, (*batch, M, N)) != (*batch, M, N):
             raise ValueError(f"kernelforge.gemm: residual of shape {tuple(residual.shape)} does not broadcast to the "
                              f"output's {(*batch, M, N)}")
     return batch, M, N, K
@@ -204,8 +214,26 @@ def _sum_to(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return t if t.shape == shape else t.sum_to_size(shape)
 
 
+def _direct(*tensors: torch.Tensor) -> bool:
+    """A backward GEMM or activation step may call the implementation itself (not the
+    registered op, ~100 us of dispatch and autograd glue a call on the host): plain eager,
+    and not differentiated again (create_graph=True needs the ops' own autograd)."""
+    return not torch.is_grad_enabled() and plain_eager_call(*tensors)
+
+
 def _matmul(x, w, compute: str, out_dtype: torch.dtype) -> torch.Tensor:
+    if _direct(x, w):
+        return _gemm(x, w, None, None, "none", compute, out_dtype, False)[0]
     return torch.ops.kernelforge.gemm(x, w, None, None, "none", compute, out_dtype, False)[0]
+
+
+def _activation_grad(grad_out, preact, bias, activation: str, need_bias: bool):
+    """(dz = grad_out * act'(preact + bias), the bias gradient or None)."""
+    if _direct(grad_out, preact):
+        return activation_ops._activation_backward(grad_out, preact, bias, activation, need_bias)
+    if need_bias:
+        return torch.ops.kernelforge.bias_activation_backward(grad_out, preact, bias, activation)
+    return torch.ops.kernelforge.activation_backward(grad_out, preact, bias, activation), None
 
 
 def _weight_grad(a, dz, b_shape, compute, dtype):
@@ -233,10 +261,8 @@ def _gemm_backward(saved, options, needs, grad_out):
         if need_bias:
             acc = torch.float64 if grad_out.dtype == torch.float64 else torch.float32
             grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0, dtype=acc).to(bias.dtype)
-    elif bias is not None and need_bias:
-        dz, grad_bias = torch.ops.kernelforge.bias_activation_backward(grad_out, preact, bias, activation)
     else:
-        dz = torch.ops.kernelforge.activation_backward(grad_out, preact, bias, activation)
+        dz, grad_bias = _activation_grad(grad_out, preact, bias, activation, bias is not None and need_bias)
     grad_a = _sum_to(_matmul(dz, b.transpose(-1, -2), compute, a.dtype), a.shape) if need_a else None
     grad_b = _weight_grad(a, dz, b.shape, compute, b.dtype) if need_b else None
     grad_residual = None

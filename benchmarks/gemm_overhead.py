@@ -1,0 +1,57 @@
+"""Host cost per kf.gemm call on a GPU: calls queued back to back (no synchronization inside
+the loop), so the wall time per call is the host's whenever it exceeds the GPU's; then where
+that time goes (cProfile, by own time).
+
+    PYTHONPATH=. python benchmarks/gemm_overhead.py   (a CUDA GPU)
+"""
+import cProfile
+import pstats
+import time
+
+import torch
+
+import kernelforge as kf
+
+
+def per_call_us(fn, calls=300):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main():
+    torch.manual_seed(0)
+    for M, N, K in ((16, 4096, 4096), (128, 4096, 4096), (1024, 1024, 1024)):
+        a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        bias = torch.randn(N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        g = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        calls = {
+            "fwd kf.gemm": lambda: kf.gemm(a.detach(), w.detach().t()),
+            "fwd torch.matmul": lambda: torch.matmul(a.detach(), w.detach().t()),
+            "fwd kf.gemm bias+gelu_tanh": lambda: kf.gemm(a.detach(), w.detach().t(), bias=bias.detach(),
+                                                          activation="gelu_tanh"),
+            "fwd+bwd kf.gemm": lambda: torch.autograd.grad(kf.gemm(a, w.t()), (a, w), g),
+            "fwd+bwd torch.matmul": lambda: torch.autograd.grad(torch.matmul(a, w.t()), (a, w), g),
+        }
+        for name, fn in calls.items():
+            print(f"{M}x{N}x{K} {name}: {per_call_us(fn):.1f} us a call, back to back", flush=True)
+    profile = cProfile.Profile()
+    a16 = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    w16 = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    kf.gemm(a16, w16.t())
+    profile.enable()
+    for _ in range(200):
+        kf.gemm(a16, w16.t())
+    profile.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
