@@ -41,17 +41,26 @@ def main():
         }
         for name, fn in calls.items():
             print(f"{M}x{N}x{K} {name}: {per_call_us(fn):.1f} us a call, back to back", flush=True)
-    profile = cProfile.Profile()
-    a16 = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
-    w16 = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    kf.gemm(a16, w16.t())
-    profile.enable()
-    for _ in range(200):
-        kf.gemm(a16, w16.t())
-    profile.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(profile).sort_stats("tottime").print_stats(25)
-
+    a16 = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w16 = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g16 = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    profiled = {"fwd": lambda: kf.gemm(a16.detach(), w16.detach().t()),
+                "fwd+bwd": lambda: torch.autograd.grad(kf.gemm(a16, w16.t()), (a16, w16), g16)}
+    # The backward on this thread (autograd runs a CUDA backward on its own device thread,
+    # which cProfile does not see).
+    with torch.autograd.set_multithreading_enabled(False):
+        for name, fn in profiled.items():
+            print(f"16x4096x4096 {name}, backward on the calling thread: {per_call_us(fn):.1f} us a call", flush=True)
+            profile = cProfile.Profile()
+            profile.enable()
+            for _ in range(100):
+                fn()
+            profile.disable()
+            torch.cuda.synchronize()
+            print(f"== profile of {name} (100 calls), by own time")
+            pstats.Stats(profile).sort_stats("tottime").print_stats(20)
+            print(f"== profile of {name} (100 calls), by cumulative time")
+            pstats.Stats(profile).sort_stats("cumtime").print_stats(30)
 
 if __name__ == "__main__":
     main()

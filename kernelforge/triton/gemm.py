@@ -86,24 +86,50 @@ def _even_k(args):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(sixteen_bit: bool):
-    """The pointer kernel as launched: autotuned on the GPU (one tuner per operand width),
-    plain in the interpreter."""
-    kernel = triton.heuristics({"EVEN_K": _even_k})(gemm_kernel)
+def _pointer_kernels(sixteen_bit: bool):
+    """(the autotuned pointer kernel, or None under the interpreter; the kernel at a given
+    config). One tuner per operand width."""
+    plain = triton.heuristics({"EVEN_K": _even_k})(gemm_kernel)
     if interpreter_enabled():
-        return kernel
+        return None, plain
     return triton.autotune(configs=CONFIGS_16BIT if sixteen_bit else CONFIGS_32BIT, key=AUTOTUNE_KEY,
-                           prune_configs_by={"early_config_prune": _prune})(kernel)
+                           prune_configs_by={"early_config_prune": _prune})(plain), plain
 
 
 @functools.lru_cache(maxsize=None)
-def _tma_kernel():
+def _tma_kernels():
     if interpreter_enabled():
-        return gemm_tma_kernel
+        return None, gemm_tma_kernel
     configs = [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=_tma_block_shapes)
                for c in CONFIGS_TMA]
     return triton.autotune(configs=configs, key=TMA_AUTOTUNE_KEY,
-                           prune_configs_by={"early_config_prune": _prune})(gemm_tma_kernel)
+                           prune_configs_by={"early_config_prune": _prune})(gemm_tma_kernel), gemm_tma_kernel
+
+
+# The autotuner's pick per call signature. Triton's Autotuner rebuilds a dict of all ~30
+# arguments and its cache key on every call (~25 us of host time, more than a small GEMM);
+# after the first call at a signature, the kernel launches at the chosen config directly.
+_CHOSEN: dict = {}
+
+
+def _launch(kernels, signature, grid, args, kwargs, set_block_shapes=None):
+    """Launch a (tuner, plain) pair at the config tuned for `signature` (every argument the
+    tuner's key and its dtype list hold, and more), tuning on its first call. Under the
+    interpreter: the one small config."""
+    tuner, plain = kernels
+    if tuner is None:
+        if set_block_shapes is not None:
+            set_block_shapes(INTERPRETER_CONFIG)
+        plain[grid](*args, **kwargs, **INTERPRETER_CONFIG)
+        return
+    config = _CHOSEN.get(signature)
+    if config is None:
+        tuner[grid](*args, **kwargs)
+        _CHOSEN[signature] = tuner.best_config
+        return
+    if set_block_shapes is not None:
+        set_block_shapes(config.kwargs)
+    plain[grid](*args, **kwargs, **config.all_kwargs())
 
 
 def _tma_descriptor(t: torch.Tensor, unit_dim: int) -> Optional[TensorDescriptor]:
@@ -176,29 +202,33 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residua
         tiles = batch * triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
         return (max(1, min(sms, tiles)),)
 
+    dtypes = (a.dtype, b.dtype, out.dtype, None if bias is None else bias.dtype,
+              None if residual is None else residual.dtype)
     with on_device(a):
         if tma is not None:
-            _launch_tma(tma, out, pointers, residual, preact, M, N, K, compute, epilogue, sms)
+            _launch_tma(tma, out, pointers, residual, preact, M, N, K, compute, epilogue, sms, dtypes)
             return out, preact
-        fixed = INTERPRETER_CONFIG if interpreter_enabled() else {}
-        _kernel(compute in ("fp16", "bf16"))[grid](
-            a, b, out, *pointers, M, N, K, *a.stride(), *b.stride(), *out.stride(), *_strides(residual, out),
-            *_strides(preact, out), batch, triton.next_power_of_2(M),
-            COMPUTE=compute, PRECISION=_PRECISION[compute], **epilogue, **fixed,
-        )
+        sixteen_bit = compute in ("fp16", "bf16")
+        signature = ("pointers", triton.next_power_of_2(M), N, K, a.stride(2), b.stride(2), compute, *dtypes,
+                     *epilogue.values())
+        _launch(_pointer_kernels(sixteen_bit), signature, grid,
+                (a, b, out, *pointers, M, N, K, *a.stride(), *b.stride(), *out.stride(), *_strides(residual, out),
+                 *_strides(preact, out), batch, triton.next_power_of_2(M)),
+                dict(COMPUTE=compute, PRECISION=_PRECISION[compute], **epilogue))
     return out, preact
 
 
-def _launch_tma(tma, out, pointers, residual, preact, M, N, K, compute, epilogue, sms):
+def _launch_tma(tma, out, pointers, residual, preact, M, N, K, compute, epilogue, sms, dtypes):
     descriptors, orders = tma
-    fixed = INTERPRETER_CONFIG if interpreter_enabled() else {}
-    if fixed:  # on the GPU the autotuner's pre-hook sets the block shapes per config
-        _tma_block_shapes(dict(zip(("a_desc", "b_desc", "c_desc"), descriptors), **orders, **fixed))
+
+    def set_block_shapes(config_kwargs):  # what the autotuner's pre-hook does when it launches
+        _tma_block_shapes(dict(zip(("a_desc", "b_desc", "c_desc"), descriptors), **orders, **config_kwargs))
 
     def grid(meta):  # at most `sms` programs, each walking the tiles `sms` apart
         return (max(1, min(sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]))),)
 
-    _tma_kernel()[grid](
-        *descriptors, *pointers, M, N, K, *_strides(residual, out)[1:], *_strides(preact, out)[1:],
-        triton.next_power_of_2(M), sms, COMPUTE=compute, **orders, **epilogue, **fixed,
-    )
+    signature = ("tma", triton.next_power_of_2(M), N, K, compute, *orders.values(), *dtypes, *epilogue.values())
+    _launch(_tma_kernels(), signature, grid,
+            (*descriptors, *pointers, M, N, K, *_strides(residual, out)[1:], *_strides(preact, out)[1:],
+             triton.next_power_of_2(M), sms),
+            dict(COMPUTE=compute, **orders, **epilogue), set_block_shapes)
