@@ -22,7 +22,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernelforge.triton import interpreter_enabled
-from kernelforge.triton._launch import on_device, sm_count
+from kernelforge.triton._launch import device_capability, on_device, sm_count
 from kernelforge.triton.gemm_kernels import gemm_kernel, gemm_tma_kernel
 
 USE_TMA: Optional[bool] = None
@@ -174,7 +174,7 @@ def _tma_operands(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, compute: 
 def _take_tma(a: torch.Tensor) -> bool:
     if USE_TMA is not None:
         return USE_TMA
-    if interpreter_enabled() or a.device.type != "cuda" or torch.cuda.get_device_capability(a.device)[0] < 9:
+    if interpreter_enabled() or a.device.type != "cuda" or device_capability(a.device)[0] < 9:
         return False
     return a.shape[1] >= _TMA_MIN_ROWS
 
