@@ -1,22 +1,37 @@
 """GEMM with a fused epilogue: schema, input checks, fake implementation, autograd, dispatch.
 
     kernelforge.gemm(a, b, *, bias=None, activation=None, residual=None, precision="auto",
-                     out_dtype=None) = act(a @ b + bias) + residual
+                     out_dtype=None, scale_a=None, scale_b=None, fp8_scaling="row",
+                     fp8_fast_accum=False)
+        = act(a @ b + bias) + residual
 
 Registered op (fake implementation and autograd attached):
     kernelforge::gemm(Tensor a, Tensor b, Tensor? bias, Tensor? residual, str activation,
-                      str compute, ScalarType out_dtype, bool save_preact) -> (Tensor, Tensor)
+                      str compute, ScalarType out_dtype, bool save_preact, Tensor? scale_a=None,
+                      Tensor? scale_b=None, str fp8_scaling="row", bool fp8_fast_accum=False)
+        -> (Tensor, Tensor)
         a (*batch_a, M, K), b (*batch_b, K, N), batch dims broadcast as torch.matmul does;
         bias (N,); residual broadcastable to (*batch, M, N); activation "none" or a kind;
         compute a mode of kernelforge/reference/gemm.py (the public function resolves
         precision="auto" to one). Returns out (*batch, M, N) and, when save_preact, a @ b
         before the bias (what the backward needs for act'), else an empty tensor.
+        compute "fp8": a and b (float8_e4m3fn, or any float dtype, then divided by their
+        scale and rounded to e4m3 here) with float32 scales: scale_a broadcastable to
+        (*batch_a, M, 1), scale_b to (*batch_b, 1, N); a missing one is computed from the
+        operand's largest magnitudes per `fp8_scaling` ("row": a's rows and b's columns;
+        "tensor"), or is 1 for an e4m3 operand. fp8_fast_accum: let the GPU's fp8 tensor
+        cores accumulate the whole K loop at their reduced precision (faster, ~50x the
+        error at K = 8192; torch._scaled_mm's use_fast_accum), instead of adding each K
+        tile's partial sums into float32.
 
 The backward is made of registered ops: kernelforge::bias_activation_backward (or
 activation_backward) turns the output gradient into dz = grad * act'(a @ b + bias) and the
 bias gradient in one pass, then two kernelforge::gemm calls give dA = dz b^T and
 dB = a^T dz (summed over broadcast batch dims; a b shared across the batch gets one GEMM
 over all rows). Gradients therefore run on the same kernels, and double backward works.
+precision "fp8" trains with the straight-through estimator: the rounding to e4m3 counts as
+the identity, and the backward GEMMs run in bf16 on the unquantized operands (an e4m3
+operand takes no gradient).
 
 Backends (registry "gemm": gemm): triton, reference. See kernelforge/reference/gemm.py for
 the launcher interface and what each compute mode means.
@@ -34,12 +49,15 @@ from kernelforge import backends
 from kernelforge.ops import activations as activation_ops
 from kernelforge.ops._common import (FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, plain_eager_call,
                                      require)
+from kernelforge.reference import gemm as reference
 from kernelforge.reference.activations import KINDS
 
 OP = "gemm"
-PRECISIONS = ("auto", "fp32", "tf32", "fp16", "bf16")
+PRECISIONS = ("auto", "fp32", "tf32", "fp16", "bf16", "fp8")
 ACTIVATIONS = (None,) + KINDS
-_TRITON_MODES = ("fp32", "tf32", "fp16", "bf16")
+_TRITON_MODES = ("fp32", "tf32", "fp16", "bf16", "fp8")
+_FP8 = reference.FP8
+_FP8_MIN_CAPABILITY = (8, 9)  # e4m3 tensor cores: Ada (sm_89), Hopper (sm_90) and later
 
 @dataclass
 class _Policy:
@@ -77,8 +95,8 @@ def _why_not_triton(a: torch.Tensor, b: torch.Tensor, compute: str = "fp32"):
     if compute not in _TRITON_MODES:
         return f"the Triton GEMM computes in {', '.join(_TRITON_MODES)}, not {compute}"
     for name, t in (("a", a), ("b", b)):
-        if t.dtype not in GPU_FLOAT_DTYPES:
-            return f"the Triton GEMM takes float32/float16/bfloat16 operands, got {name} of {t.dtype}"
+        if t.dtype not in (GPU_FLOAT_DTYPES + (_FP8,)):
+            return f"the Triton GEMM takes float32/float16/bfloat16/float8_e4m3fn operands, got {name} of {t.dtype}"
     return why_unavailable(a.device)
 
 
@@ -110,6 +128,8 @@ def resolve_compute(a: torch.Tensor, b: torch.Tensor, precision: str) -> str:
             precision = _policy.mode
     if precision != "auto":
         return precision
+    if a.dtype == _FP8 or b.dtype == _FP8:
+        return "fp8"
     if a.dtype != b.dtype:
         raise TypeError(f"kernelforge.gemm: with precision='auto' a and b must have the same dtype, got a: {a.dtype}, "
                         f"b: {b.dtype} (name a precision to cast both)")
@@ -134,10 +154,40 @@ def _broadcast(x: Sequence[int], y: Sequence[int]) -> Optional[tuple[int, ...]]:
     return tuple(out)
 
 
-def _check(a, b, bias, residual, activation: str, compute: str) -> tuple[tuple[int, ...], int, int, int]:
+def why_no_fp8(device: torch.device, capability: Optional[tuple[int, int]] = None) -> Optional[str]:
+    """None where precision="fp8" runs (the CPU reference emulates it; GPUs need e4m3 tensor
+    cores), else why not. `capability` defaults to the device's."""
+    if device.type != "cuda":
+        return None
+    capability = capability or torch.cuda.get_device_capability(device)
+    if tuple(capability) < _FP8_MIN_CAPABILITY:
+        need = ".".join(map(str, _FP8_MIN_CAPABILITY))
+        return (f"kernelforge.gemm: precision='fp8' needs a GPU with float8 tensor cores (compute capability "
+                f"{need}+: Ada, Hopper), got {capability[0]}.{capability[1]} on {device}")
+    return None
+
+
+def _check_fp8(a, b, scale_a, scale_b, fp8_scaling: str, N: int) -> None:
+    if fp8_scaling not in reference.FP8_SCALINGS:
+        raise ValueError(f"kernelforge.gemm: fp8_scaling must be one of {reference.FP8_SCALINGS}, got {fp8_scaling!r}")
+    reason = why_no_fp8(a.device)
+    if reason is not None:
+        raise RuntimeError(reason)
+    for name, t, want in (("scale_a", scale_a, (*a.shape[:-1], 1)), ("scale_b", scale_b, (*b.shape[:-2], 1, N))):
+        if t is None:
+            continue
+        check_floating("gemm", name, t, FLOAT_DTYPES)
+        check_same("gemm", "device", ("a", name), (a.device, t.device))
+        if _broadcast(t.shape, want) != want:
+            raise ValueError(f"kernelforge.gemm: {name} must broadcast to {want} (one scale per tensor, or per "
+                             f"{'row of a' if name == 'scale_a' else 'column of b'}), got shape {tuple(t.shape)}")
+
+
+def _check(a, b, bias, residual, activation: str, compute: str, scale_a=None, scale_b=None, fp8_scaling: str = "row"
+           ) -> tuple[tuple[int, ...], int, int, int]:
     """(batch shape, M, N, K) of valid inputs, else a message naming the argument."""
     for name, t in (("a", a), ("b", b)):
-        check_floating("gemm", name, t, FLOAT_DTYPES)
+        check_floating("gemm", name, t, FLOAT_DTYPES + ((_FP8,) if compute == "fp8" else ()))
         if t.dim() < 2:
             raise ValueError(f"kernelforge.gemm: {name} must have at least 2 dims (..., rows, cols), "
                              f"got shape {tuple(t.shape)}")
@@ -167,44 +217,76 @@ def _check(a, b, bias, residual, activation: str, compute: str) -> tuple[tuple[i
         if _broadcast(residual.shape, (*batch, M, N)) != (*batch, M, N):
             raise ValueError(f"kernelforge.gemm: residual of shape {tuple(residual.shape)} does not broadcast to the "
                              f"output's {(*batch, M, N)}")
+    if compute == "fp8":
+        _check_fp8(a, b, scale_a, scale_b, fp8_scaling, N)
+    elif scale_a is not None or scale_b is not None:
+        raise ValueError(f"kernelforge.gemm: scale_a and scale_b go with precision='fp8', got compute mode {compute!r}")
     return batch, M, N, K
 
 
 # ----------------------------------------------------------------------------- implementation
 def _batched(a, b, residual, batch, M, N, K):
-    """(a3, b3, residual3): (B, M', K), (B, K, N), (B, M', N) views for the launcher. A b
-    with no batch dims takes a's batch into the rows (one GEMM of batch*M rows) when a and
-    the residual allow it without a copy."""
+    """(a3, b3, residual3, folded): (B, M', K), (B, K, N), (B, M', N) views for the launcher.
+    A b with no batch dims takes a's batch into the rows (one GEMM of batch*M rows, folded)
+    when a and the residual allow it without a copy."""
     if b.dim() == 2 and a.dim() > 2:
         try:
             a_rows = a.view(1, -1, K)
             res_rows = None if residual is None else residual.expand(*batch, M, N).view(1, -1, N)
-            return a_rows, b.unsqueeze(0), res_rows
+            return a_rows, b.unsqueeze(0), res_rows, True
         except RuntimeError:  # not foldable without a copy: stay batched
             pass
     count = math.prod(batch)
     a3 = a.expand(*batch, M, K).reshape(count, M, K)
     b3 = b.expand(*batch, K, N).reshape(count, K, N)
     res3 = None if residual is None else residual.expand(*batch, M, N).reshape(count, M, N)
-    return a3, b3, res3
+    return a3, b3, res3, False
 
 
-def _gemm(a, b, bias, residual, activation: str, compute: str, out_dtype: torch.dtype, save_preact: bool):
-    batch, M, N, K = _check(a, b, bias, residual, activation, compute)
+def _fp8_operands(a, b, scale_a, scale_b, fp8_scaling: str):
+    """(a, b) rounded to e4m3 and their float32 scales (computed where not given)."""
+    quantized = []
+    for x, scale, k_dim in ((a, scale_a, -1), (b, scale_b, -2)):
+        if scale is None:
+            scale = (torch.ones((1,) * x.dim(), device=x.device) if x.dtype == _FP8
+                     else reference.fp8_scale(x, fp8_scaling, k_dim))
+        scale = scale.float()
+        quantized += [reference.quantize_fp8(x, scale), scale]
+    return quantized
+
+
+def _batched_scales(scale_a, scale_b, a_shape, batch, M, N, folded: bool):
+    """scale_a (B, M') and scale_b (B, N) matching _batched's a3 and b3 (copies: they are small)."""
+    if folded:
+        return scale_a.expand(*a_shape[:-1], 1).reshape(1, -1), scale_b.expand(1, N).reshape(1, N)
+    count = math.prod(batch)
+    return scale_a.expand(*batch, M, 1).reshape(count, M), scale_b.expand(*batch, 1, N).reshape(count, N)
+
+
+def _gemm(a, b, bias, residual, activation: str, compute: str, out_dtype: torch.dtype, save_preact: bool,
+          scale_a=None, scale_b=None, fp8_scaling: str = "row", fp8_fast_accum: bool = False):
+    batch, M, N, K = _check(a, b, bias, residual, activation, compute, scale_a, scale_b, fp8_scaling)
     shape = (*batch, M, N)
     act = None if activation == "none" else activation
+    scales = {}
+    if compute == "fp8":
+        a, scale_a, b, scale_b = _fp8_operands(a, b, scale_a, scale_b, fp8_scaling)
     if a.numel() == 0 or b.numel() == 0:  # nothing to multiply: the epilogue of zeros (or nothing)
         from kernelforge.reference import gemm as launchers
     else:
         launchers = backends.select(OP, a, b, compute=compute).implementation.launchers()
-    a3, b3, res3 = _batched(a, b, residual, batch, M, N, K)
-    out, preact = launchers.gemm(a3, b3, bias, res3, act, compute, out_dtype, save_preact)
+    a3, b3, res3, folded = _batched(a, b, residual, batch, M, N, K)
+    if compute == "fp8":
+        sa3, sb3 = _batched_scales(scale_a, scale_b, a.shape, batch, M, N, folded)
+        scales = dict(scale_a=sa3, scale_b=sb3, fast_accum=fp8_fast_accum)
+    out, preact = launchers.gemm(a3, b3, bias, res3, act, compute, out_dtype, save_preact, **scales)
     preact = preact.view(shape) if save_preact else out.new_empty(0)
     return out.view(shape), preact
 
 
-def _fake(a, b, bias, residual, activation, compute, out_dtype, save_preact):
-    batch, M, N, _ = _check(a, b, bias, residual, activation, compute)
+def _fake(a, b, bias, residual, activation, compute, out_dtype, save_preact, scale_a=None, scale_b=None,
+          fp8_scaling="row", fp8_fast_accum=False):
+    batch, M, N, _ = _check(a, b, bias, residual, activation, compute, scale_a, scale_b, fp8_scaling)
     out = a.new_empty((*batch, M, N), dtype=out_dtype)
     return out, (torch.empty_like(out) if save_preact else a.new_empty(0, dtype=out_dtype))
 
@@ -249,6 +331,8 @@ def _gemm_backward(saved, options, needs, grad_out):
     """Gradients (a, b, bias, residual) of out = act(a @ b + bias) + residual."""
     a, b, bias, preact = saved
     activation, compute, residual_meta = options
+    if compute == "fp8":  # the straight-through estimator, in bf16 (see the module's docstring)
+        compute = "bf16"
     need_a, need_b, need_bias, need_residual = needs
     grad_bias = None
     if activation != "none" and grad_out.numel() > 0 and (preact.numel() == 0 or torch.is_grad_enabled()):
@@ -272,7 +356,17 @@ def _gemm_backward(saved, options, needs, grad_out):
     return grad_a, grad_b, grad_bias, grad_residual
 
 
-def _save(ctx, a, b, bias, residual, activation, compute, preact):
+def _real_valued(x: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """What an fp8 operand stands for, for the other operand's gradient: an e4m3 x times its
+    scale, in bf16 (other dtypes pass)."""
+    if x.dtype != _FP8:
+        return x
+    return (x.float() * (1.0 if scale is None else scale.float())).to(torch.bfloat16)
+
+
+def _save(ctx, a, b, bias, residual, activation, compute, preact, scale_a=None, scale_b=None):
+    if compute == "fp8":
+        a, b = _real_valued(a, scale_a), _real_valued(b, scale_b)
     ctx.save_for_backward(a, b, bias, preact if activation != "none" else None)
     ctx.options = (activation, compute, None if residual is None else (residual.shape, residual.dtype))
 
@@ -280,23 +374,26 @@ def _save(ctx, a, b, bias, residual, activation, compute, preact):
 # ----------------------------------------------------------------------------- registration
 @torch.library.custom_op("kernelforge::gemm", mutates_args=())
 def gemm_op(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
-            activation: str, compute: str, out_dtype: torch.dtype, save_preact: bool
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _gemm(a, b, bias, residual, activation, compute, out_dtype, save_preact)
+            activation: str, compute: str, out_dtype: torch.dtype, save_preact: bool,
+            scale_a: Optional[torch.Tensor] = None, scale_b: Optional[torch.Tensor] = None, fp8_scaling: str = "row",
+            fp8_fast_accum: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    return _gemm(a, b, bias, residual, activation, compute, out_dtype, save_preact, scale_a, scale_b, fp8_scaling,
+                 fp8_fast_accum)
 
 
 gemm_op.register_fake(_fake)
 
 
 def _setup_context(ctx, inputs, output):
-    a, b, bias, residual, activation, compute, _, _ = inputs
-    _save(ctx, a, b, bias, residual, activation, compute, output[1])
+    a, b, bias, residual, activation, compute = inputs[:6]
+    scale_a, scale_b = (tuple(inputs[8:10]) + (None, None))[:2]
+    _save(ctx, a, b, bias, residual, activation, compute, output[1], scale_a, scale_b)
     ctx.mark_non_differentiable(output[1])
 
 
 def _gemm_grad(ctx, grad_out, _grad_preact):
     grads = _gemm_backward(ctx.saved_tensors, ctx.options, ctx.needs_input_grad[:4], grad_out)
-    return (*grads, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None, None)
 
 
 gemm_op.register_autograd(_gemm_grad, setup_context=_setup_context)
@@ -307,21 +404,24 @@ class _EagerGemm(torch.autograd.Function):
     and backward without the dispatcher's custom-op glue."""
 
     @staticmethod
-    def forward(ctx, a, b, bias, residual, activation, compute, out_dtype):
-        out, preact = _gemm(a, b, bias, residual, activation, compute, out_dtype, activation != "none")
-        _save(ctx, a, b, bias, residual, activation, compute, preact)
+    def forward(ctx, a, b, bias, residual, activation, compute, out_dtype, scale_a, scale_b, fp8_scaling,
+                fp8_fast_accum):
+        out, preact = _gemm(a, b, bias, residual, activation, compute, out_dtype, activation != "none", scale_a,
+                            scale_b, fp8_scaling, fp8_fast_accum)
+        _save(ctx, a, b, bias, residual, activation, compute, preact, scale_a, scale_b)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         grads = _gemm_backward(ctx.saved_tensors, ctx.options, ctx.needs_input_grad[:4], grad_out)
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 # ----------------------------------------------------------------------------- public function
 def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: Optional[torch.Tensor] = None, activation: Optional[str] = None,
-         residual: Optional[torch.Tensor] = None, precision: str = "auto",
-         out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+         residual: Optional[torch.Tensor] = None, precision: str = "auto", out_dtype: Optional[torch.dtype] = None,
+         scale_a: Optional[torch.Tensor] = None, scale_b: Optional[torch.Tensor] = None,
+         fp8_scaling: str = "row", fp8_fast_accum: bool = False) -> torch.Tensor:
     """act(a @ b + bias) + residual in one kernel.
 
     a (..., M, K) and b (..., K, N) with batch dims that broadcast (b may be (K, N)); any
@@ -330,19 +430,35 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: Optional[torch.Tensor] = Non
     precision: "auto" (the inputs' dtype; float32 follows torch.backends.cuda.matmul.allow_tf32
     on a GPU, and kernelforge.precision(...) changes the default), or "fp32", "tf32", "fp16",
     "bf16": the operands are rounded to it, products accumulate in float32, the epilogue
-    runs in float32. out_dtype: the result's dtype, by default the inputs' (promoted).
-    Differentiable in a, b, bias and residual."""
+    runs in float32. out_dtype: the result's dtype, by default the inputs' (promoted;
+    bfloat16 for float8 inputs).
+    precision "fp8" (GPUs with float8 tensor cores, and the CPU reference): a and b are
+    rounded to float8 e4m3 after dividing by their scales (float8_e4m3fn operands are taken
+    as they are; "auto" means "fp8" for them). scale_a broadcasts to (..., M, 1) and scale_b
+    to (..., 1, N), as torch._scaled_mm's: one per tensor, or per row of a / column of b. A
+    scale not given is computed from the operand (largest magnitude -> 448, per
+    fp8_scaling "row" or "tensor"), or is 1 for a float8 operand. The product of e4m3
+    values accumulates in float32 (per K tile on GPUs; fp8_fast_accum=True leaves the whole K
+    loop in the tensor cores' reduced-precision accumulator, as torch._scaled_mm's
+    use_fast_accum) and is multiplied by scale_a * scale_b before the epilogue.
+    Differentiable in a, b, bias and residual (fp8: straight-through, backward in bf16)."""
     act = _activation_name(activation)
     compute = resolve_compute(a, b, precision)
-    out_dtype = out_dtype or torch.promote_types(a.dtype, b.dtype)
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if _FP8 in (a.dtype, b.dtype) else torch.promote_types(a.dtype, b.dtype)
     if out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"kernelforge.gemm: out_dtype must be a float dtype, got {out_dtype}")
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, b, bias, residual))
-    if not plain_eager_call(a, b, bias, residual):
-        return gemm_op(a, b, bias, residual, act, compute, out_dtype, grads and act != "none")[0]
+    for name, t in (("a", a), ("b", b)):
+        if grads and t.dtype == _FP8 and t.requires_grad:
+            raise TypeError(f"kernelforge.gemm: {name} is float8_e4m3fn and requires grad; a float8 operand takes no "
+                            "gradient (pass it in bf16 / float32 with precision='fp8' to train through the rounding)")
+    fp8 = (scale_a, scale_b, fp8_scaling, fp8_fast_accum)
+    if not plain_eager_call(a, b, bias, residual, scale_a, scale_b):
+        return gemm_op(a, b, bias, residual, act, compute, out_dtype, grads and act != "none", *fp8)[0]
     if grads:
-        return _EagerGemm.apply(a, b, bias, residual, act, compute, out_dtype)
-    return _gemm(a, b, bias, residual, act, compute, out_dtype, False)[0]
+        return _EagerGemm.apply(a, b, bias, residual, act, compute, out_dtype, *fp8)
+    return _gemm(a, b, bias, residual, act, compute, out_dtype, False, *fp8)[0]
 
 
 __all__ = ["gemm", "precision"]

@@ -12,7 +12,10 @@ What each compute mode means, on every backend:
   them, products and sums in float32;
 - "fp16" / "bf16": operands rounded to that dtype, products (exact in float32) summed in
   float32;
-- "fp64": float64 throughout (CPU inputs of float64 only).
+- "fp64": float64 throughout (CPU inputs of float64 only);
+- "fp8": operands in float8 e4m3 (the op layer quantizes them: `quantize_fp8`) with float32
+  scales, a's per row or per tensor and b's per column or per tensor; products of e4m3
+  values summed in float32, then multiplied by scale_a[m] * scale_b[n] before the epilogue.
 The epilogue runs in float32 (float64 for "fp64") on the unrounded accumulator: bias,
 activation, residual, then one rounding to out_dtype. (Eager linear + gelu rounds the
 linear's output to the storage dtype before the activation; this does not.)
@@ -29,9 +32,29 @@ import torch
 
 from kernelforge.reference.activations import activation_value
 
-COMPUTE_MODES = ("fp32", "tf32", "fp16", "bf16", "fp64")
+COMPUTE_MODES = ("fp32", "tf32", "fp16", "bf16", "fp64", "fp8")
 _OPERAND_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
-                   "fp64": torch.float64}
+                   "fp64": torch.float64, "fp8": torch.float8_e4m3fn}
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3 value
+FP8_SCALINGS = ("row", "tensor")
+
+
+def fp8_scale(x: torch.Tensor, scaling: str, reduce_dim: int) -> torch.Tensor:
+    """float32 scales that map x's largest magnitude onto e4m3's largest value: per tensor
+    (shape (1,) * x.dim()), or "row" reducing only `reduce_dim` (the K dim: one scale per row
+    of a, per column of b). An all-zero slice gets scale 1."""
+    mag = x.detach().abs().float()
+    amax = mag.amax() if scaling == "tensor" else mag.amax(dim=reduce_dim, keepdim=True)
+    amax = amax.reshape((1,) * x.dim()) if scaling == "tensor" else amax
+    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale rounded to the nearest e4m3 value, saturating at +-448 (an e4m3 x passes)."""
+    if x.dtype == FP8:
+        return x
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def round_to_tf32(t: torch.Tensor) -> torch.Tensor:
@@ -65,10 +88,15 @@ def epilogue(acc: torch.Tensor, bias: Optional[torch.Tensor], activation: Option
 # ----------------------------------------------------------------------------- launcher
 # The interface every backend of the gemm op implements.
 def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
-         activation: Optional[str], compute: str, out_dtype: torch.dtype, save_preact: bool
+         activation: Optional[str], compute: str, out_dtype: torch.dtype, save_preact: bool,
+         scale_a: Optional[torch.Tensor] = None, scale_b: Optional[torch.Tensor] = None, fast_accum: bool = False
          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(out, preact or None): out (batch, M, N) dense in out_dtype."""
+    """(out, preact or None): out (batch, M, N) dense in out_dtype. For compute "fp8" only:
+    a and b are e4m3, scale_a (batch, M) and scale_b (batch, N) float32 (strides may be 0);
+    fast_accum allows a less precise accumulation (here: none is less precise than float32)."""
     x, w = operands(a, b, compute)
     acc = torch.matmul(x, w)
+    if compute == "fp8":
+        acc = acc * scale_a[:, :, None] * scale_b[:, None, :]
     out = epilogue(acc, bias, activation, residual).to(out_dtype).contiguous()
     return out, acc.to(out_dtype).contiguous() if save_preact else None

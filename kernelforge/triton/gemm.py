@@ -1,7 +1,7 @@
 """Launcher of the Triton GEMM (kernelforge/triton/gemm_kernels.py): the gemm op's backend
 interface, as kernelforge/reference/gemm.py defines it.
 
-Two kernels: on Hopper (sm_90+), one matrix of fp16/bf16 operands in their own dtype, with
+Two kernels: on Hopper (sm_90+), one matrix of fp16/bf16/e4m3 operands in their own dtype, with
 more than 64 rows, 16-byte-aligned rows and one unit stride each, goes through TMA
 descriptors (gemm_tma_kernel); everything else (batches, fp32 / tf32, few rows, odd strides,
 older GPUs) through pointers (gemm_kernel). USE_TMA overrides the choice (True / False;
@@ -27,7 +27,9 @@ from kernelforge.triton.gemm_kernels import gemm_kernel, gemm_tma_kernel
 
 USE_TMA: Optional[bool] = None
 _TMA_MIN_ROWS = 65  # at 16 rows the pointer kernel's 16-row tiles win (benchmarks/gemm_sweep.py)
-_PRECISION = {"fp32": "ieee", "tf32": "tf32", "fp16": "tf32", "bf16": "tf32"}  # 16-bit: the argument is ignored
+_PRECISION = {"fp32": "ieee", "tf32": "tf32", "fp16": "tf32", "bf16": "tf32", "fp8": "tf32"}  # not fp32: ignored
+_FP8 = torch.float8_e4m3fn
+_OPERAND_BITS = {"fp8": 8, "fp16": 16, "bf16": 16, "fp32": 32, "tf32": 32}
 
 
 def _config(m, n, k, warps, stages, group=8):
@@ -52,6 +54,13 @@ CONFIGS_32BIT = [
 CONFIGS_TMA = [  # the fastest of benchmarks/gemm_sweep.py's TMA candidates at each of its shapes
     _config(128, 256, 64, 8, 3), _config(128, 128, 64, 4, 4), _config(128, 128, 64, 8, 4),
     _config(128, 128, 128, 8, 3), _config(64, 256, 64, 4, 4), _config(64, 128, 64, 4, 4),
+]
+# e4m3: the 16-bit shapes with twice the K depth (the same shared-memory bytes per stage), and
+# no tile under 64 rows (Hopper's fp8 tensor-core instruction is 64 rows tall per warp group).
+CONFIGS_FP8 = [
+    _config(128, 256, 128, 8, 3), _config(128, 128, 128, 8, 4), _config(128, 128, 128, 4, 4),
+    _config(64, 256, 128, 4, 4), _config(128, 64, 128, 4, 4), _config(64, 128, 128, 4, 4),
+    _config(64, 64, 256, 4, 4), _config(64, 32, 256, 4, 4),
 ]
 INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1)
 AUTOTUNE_KEY = ["M_BUCKET", "N", "K", "sak", "sbn", "COMPUTE", "ACTIVATION", "HAS_BIAS", "HAS_RESIDUAL",
@@ -86,22 +95,23 @@ def _even_k(args):
 
 
 @functools.lru_cache(maxsize=None)
-def _pointer_kernels(sixteen_bit: bool):
+def _pointer_kernels(operand_bits: int):
     """(the autotuned pointer kernel, or None under the interpreter; the kernel at a given
     config). One tuner per operand width."""
     plain = triton.heuristics({"EVEN_K": _even_k})(gemm_kernel)
     if interpreter_enabled():
         return None, plain
-    return triton.autotune(configs=CONFIGS_16BIT if sixteen_bit else CONFIGS_32BIT, key=AUTOTUNE_KEY,
+    configs = {8: CONFIGS_FP8, 16: CONFIGS_16BIT, 32: CONFIGS_32BIT}[operand_bits]
+    return triton.autotune(configs=configs, key=AUTOTUNE_KEY,
                            prune_configs_by={"early_config_prune": _prune})(plain), plain
 
 
 @functools.lru_cache(maxsize=None)
-def _tma_kernels():
+def _tma_kernels(operand_bits: int):
     if interpreter_enabled():
         return None, gemm_tma_kernel
     configs = [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=_tma_block_shapes)
-               for c in CONFIGS_TMA]
+               for c in (CONFIGS_FP8 if operand_bits == 8 else CONFIGS_TMA)]
     return triton.autotune(configs=configs, key=TMA_AUTOTUNE_KEY,
                            prune_configs_by={"early_config_prune": _prune})(gemm_tma_kernel), gemm_tma_kernel
 
@@ -155,12 +165,14 @@ def _tma_operands(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, compute: 
     """Descriptors of a, b and out and the operands' memory orders for gemm_tma_kernel, or
     None when it cannot take them: a batch, operands not 16-bit in the compute dtype, or a
     layout TMA cannot read."""
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(compute)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": _FP8}.get(compute)
     if a.shape[0] != 1 or b.shape[0] != 1 or not a.dtype == b.dtype == dtype:
         return None
     found = {}
     for name, t, natural in (("a", a[0], "A_K_CONTIGUOUS"), ("b", b[0], "B_N_CONTIGUOUS")):
-        for unit_dim in (1, 0):
+        # e4m3: K-major only (_k_major made them so), the order the fp8 tensor cores read
+        unit_dims = ((1,) if name == "a" else (0,)) if compute == "fp8" else (1, 0)
+        for unit_dim in unit_dims:
             desc = _tma_descriptor(t, unit_dim)
             if desc is not None:
                 found[name], found[natural] = desc, unit_dim == 1
@@ -185,18 +197,37 @@ def _strides(t: Optional[torch.Tensor], fallback: torch.Tensor):
     return tuple((t if t is not None else fallback).stride())
 
 
+def _k_major(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 a and b with K as their unit-stride dim, copied where it is not: Hopper's fp8
+    tensor-core instruction reads both operands K-major from shared memory, and a transpose
+    of 8-bit data on chip is not something to count on from Triton. A Linear weight (N, K)
+    read as b = W^T, and row-major activations, are K-major already: no copy."""
+    if a.stride(2) != 1 and a.shape[2] > 1:
+        a = a.transpose(1, 2).contiguous().transpose(1, 2)
+    if b.stride(1) != 1 and b.shape[1] > 1:
+        b = b.transpose(1, 2).contiguous().transpose(1, 2)
+    return a, b
+
+
 def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
-         activation: Optional[str], compute: str, out_dtype: torch.dtype, save_preact: bool
+         activation: Optional[str], compute: str, out_dtype: torch.dtype, save_preact: bool,
+         scale_a: Optional[torch.Tensor] = None, scale_b: Optional[torch.Tensor] = None, fast_accum: bool = False
          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    scaled = compute == "fp8"
+    if scaled:
+        a, b = _k_major(a, b)
     batch, M, K = a.shape
     N = b.shape[2]
     out = torch.empty(batch, M, N, dtype=out_dtype, device=a.device)
     preact = torch.empty_like(out) if save_preact else None
     epilogue = dict(ACTIVATION=activation or "none", HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
                     SAVE_PREACT=save_preact, PRECISE=not interpreter_enabled(),
-                    BF16_OUT=out_dtype == torch.bfloat16 and not interpreter_enabled())
+                    BF16_OUT=out_dtype == torch.bfloat16 and not interpreter_enabled(), SCALED=scaled,
+                    FP8_PRECISE=scaled and not fast_accum)
+    if not scaled:  # never read: any float32 pointer with strides
+        scale_a = scale_b = torch.empty(1, 1, device=a.device)
     pointers = (bias if bias is not None else out, residual if residual is not None else out,
-                preact if preact is not None else out)
+                preact if preact is not None else out, scale_a, scale_b)
     tma = _tma_operands(a, b, out, compute) if _take_tma(a) else None
     sms = sm_count(a.device)
 
@@ -210,12 +241,11 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residua
         if tma is not None:
             _launch_tma(tma, out, pointers, residual, preact, M, N, K, compute, epilogue, sms, dtypes)
             return out, preact
-        sixteen_bit = compute in ("fp16", "bf16")
         signature = ("pointers", triton.next_power_of_2(M), N, K, a.stride(2), b.stride(2), compute, *dtypes,
                      *epilogue.values())
-        _launch(_pointer_kernels(sixteen_bit), signature, grid,
+        _launch(_pointer_kernels(_OPERAND_BITS[compute]), signature, grid,
                 (a, b, out, *pointers, M, N, K, *a.stride(), *b.stride(), *out.stride(), *_strides(residual, out),
-                 *_strides(preact, out), batch, triton.next_power_of_2(M)),
+                 *_strides(preact, out), *scale_a.stride(), *scale_b.stride(), batch, triton.next_power_of_2(M)),
                 dict(COMPUTE=compute, PRECISION=_PRECISION[compute], **epilogue))
     return out, preact
 
@@ -230,7 +260,8 @@ def _launch_tma(tma, out, pointers, residual, preact, M, N, K, compute, epilogue
         return (max(1, min(sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]))),)
 
     signature = ("tma", triton.next_power_of_2(M), N, K, compute, *orders.values(), *dtypes, *epilogue.values())
-    _launch(_tma_kernels(), signature, grid,
+    scale_a, scale_b = pointers[3:]
+    _launch(_tma_kernels(_OPERAND_BITS[compute]), signature, grid,
             (*descriptors, *pointers, M, N, K, *_strides(residual, out)[1:], *_strides(preact, out)[1:],
-             triton.next_power_of_2(M), sms),
+             scale_a.stride(1), scale_b.stride(1), triton.next_power_of_2(M), sms),
             dict(COMPUTE=compute, **orders, **epilogue), set_block_shapes)

@@ -16,6 +16,14 @@ specializes a unit stride, so the common layouts load in 16-byte vectors), conve
 registers to the compute dtype (COMPUTE: fp16 / bf16 / tf32 operands of fp32 inputs are
 rounded there, not in a separate pass) and multiplied with tl.dot at PRECISION ("ieee" for fp32,
 "tf32", or the 16-bit tensor-core path), accumulating in float32.
+
+fp8 (COMPUTE "fp8"): e4m3 operands, quantized before the launch, multiplied on the fp8
+tensor cores (twice the 16-bit rate, half the operand bytes). Hopper's fp8 instruction adds
+its products into the accumulator at reduced precision (about 14 mantissa bits);
+FP8_PRECISE makes Triton add each K tile's partial sum into a float32 accumulator, as
+cuBLAS does unless asked for fast accumulation. SCALED multiplies each accumulator row by
+scale_a[m] and column by scale_b[n] (stride 0: one scale per tensor) before the epilogue.
+Bytes: + M + N float32 scales per matrix.
 """
 from __future__ import annotations
 
@@ -43,7 +51,9 @@ def _tile_coordinates(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 @triton.jit
 def _operand(x, COMPUTE: tl.constexpr):
     """x in the multiply's dtype (a register conversion; the tensor cores round nothing else)."""
-    if COMPUTE == "fp16":
+    if COMPUTE == "fp8":  # quantized before the launch: e4m3 already
+        return x
+    elif COMPUTE == "fp16":
         return x.to(tl.float16)
     elif COMPUTE == "bf16":
         return x.to(tl.bfloat16)
@@ -55,6 +65,15 @@ def _operand(x, COMPUTE: tl.constexpr):
         return tl.where(tl.abs(x) < float("inf"), rounded, x)
     else:
         return x.to(tl.float32)
+
+
+@triton.jit
+def _dequantized(acc, SA, SB, offs_m, offs_n, M, N, ssam, ssbn):
+    """acc * scale_a[m] * scale_b[n] (SA / SB at the tile's matrix; a stride 0 repeats one
+    scale)."""
+    scale_a = tl.load(SA + offs_m * ssam, mask=offs_m < M, other=0.0)
+    scale_b = tl.load(SB + offs_n * ssbn, mask=offs_n < N, other=0.0)
+    return acc * scale_a[:, None] * scale_b[None, :]
 
 
 @triton.jit
@@ -84,14 +103,14 @@ def _epilogue(acc, offs_m, offs_n, M, N, BIAS, RES, PRE, srm, srn, spm, spn,
 
 @triton.jit
 def gemm_kernel(
-    A, B, C, BIAS, RES, PRE,
+    A, B, C, BIAS, RES, PRE, SA, SB,
     M, N, K,
-    sab, sam, sak, sbb, sbk, sbn, scb, scm, scn, srb, srm, srn, spb, spm, spn,
+    sab, sam, sak, sbb, sbk, sbn, scb, scm, scn, srb, srm, srn, spb, spm, spn, ssab, ssam, ssbb, ssbn,
     BATCH, M_BUCKET,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
     ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SAVE_PREACT: tl.constexpr,
-    PRECISE: tl.constexpr, BF16_OUT: tl.constexpr,
+    PRECISE: tl.constexpr, BF16_OUT: tl.constexpr, SCALED: tl.constexpr, FP8_PRECISE: tl.constexpr,
 ):
     # M_BUCKET (M rounded up to a power of two) is only the autotuner's key: one tuning per
     # bucket, not one per distinct token count.
@@ -123,9 +142,13 @@ def gemm_kernel(
             else:
                 a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
                 b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
-            acc = tl.dot(_operand(a, COMPUTE), _operand(b, COMPUTE), acc, input_precision=PRECISION)
+            acc = tl.dot(_operand(a, COMPUTE), _operand(b, COMPUTE), acc, input_precision=PRECISION,
+                         max_num_imprecise_acc=BLOCK_K if FP8_PRECISE else None)
             a_ptrs += BLOCK_K * sak
             b_ptrs += BLOCK_K * sbk
+        if SCALED:
+            acc = _dequantized(acc, SA + batch.to(tl.int64) * ssab, SB + batch.to(tl.int64) * ssbb, offs_m, offs_n,
+                               M, N, ssam, ssbn)
         z, inside = _epilogue(acc, offs_m, offs_n, M, N, BIAS, RES + batch.to(tl.int64) * srb,
                               PRE + batch.to(tl.int64) * spb, srm, srn, spm, spn,
                               ACTIVATION, HAS_BIAS, HAS_RESIDUAL, SAVE_PREACT, PRECISE, BF16_OUT)
@@ -135,20 +158,21 @@ def gemm_kernel(
 
 @triton.jit
 def gemm_tma_kernel(
-    a_desc, b_desc, c_desc, BIAS, RES, PRE,
-    M, N, K, srm, srn, spm, spn, M_BUCKET, NUM_PROGRAMS,
+    a_desc, b_desc, c_desc, BIAS, RES, PRE, SA, SB,
+    M, N, K, srm, srn, spm, spn, ssam, ssbn, M_BUCKET, NUM_PROGRAMS,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     A_K_CONTIGUOUS: tl.constexpr, B_N_CONTIGUOUS: tl.constexpr, COMPUTE: tl.constexpr,
     ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SAVE_PREACT: tl.constexpr,
-    PRECISE: tl.constexpr, BF16_OUT: tl.constexpr,
+    PRECISE: tl.constexpr, BF16_OUT: tl.constexpr, SCALED: tl.constexpr, FP8_PRECISE: tl.constexpr,
 ):
-    """One matrix (batch 1) of 16-bit operands, through Hopper's tensor memory accelerator:
+    """One matrix (batch 1) of 16-bit or e4m3 operands, through Hopper's tensor memory accelerator:
     a, b and the output move by TMA descriptors built on the host, whose block shapes the
     autotuner's pre-hook sets per config. The copy engine computes addresses and zero-fills
     what lies past M, N or K, so the K loop has no masks and no address math; each operand
     may be stored either way round (A_K_CONTIGUOUS: a is (M, K) row-major, else its
     transpose is; B_N_CONTIGUOUS: b is (K, N) row-major, else b^T is, as a Linear weight).
-    COMPUTE (fp16 / bf16) is the operands' own dtype here; it only keys the autotuner.
+    COMPUTE (fp16 / bf16 / fp8) is the operands' own dtype here; it only keys the autotuner
+    (fp8 operands come K-major, as Hopper's fp8 tensor-core instruction reads both).
     Same work and bytes as gemm_kernel; 0.94-1.04x cuBLAS where gemm_kernel gives 0.91-1.0x
     on an H200 (benchmarks/gemm_sweep.py)."""
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -171,11 +195,13 @@ def gemm_tma_kernel(
                 b = b_desc.load([ki * BLOCK_K, pid_n * BLOCK_N])
             else:
                 b = b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K]).T
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K if FP8_PRECISE else None)
         tile_c += NUM_PROGRAMS
         _, pid_m, pid_n = _tile_coordinates(tile_c, tiles_m, tiles_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if SCALED:
+            acc = _dequantized(acc, SA, SB, offs_m, offs_n, M, N, ssam, ssbn)
         z, _ = _epilogue(acc, offs_m, offs_n, M, N, BIAS, RES, PRE, srm, srn, spm, spn,
                          ACTIVATION, HAS_BIAS, HAS_RESIDUAL, SAVE_PREACT, PRECISE, BF16_OUT)
         c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], z.to(c_desc.dtype))

@@ -301,7 +301,7 @@ def test_explain_names_the_gemm_backends():
     (lambda: kf.gemm(torch.randn(3, 4), torch.randn(4, 2), residual=torch.randn(4, 2)), ValueError,
      "residual of shape"),
     (lambda: kf.gemm(torch.randn(3, 4), torch.randn(4, 2), activation="tanh"), ValueError, "activation must be one of"),
-    (lambda: kf.gemm(torch.randn(3, 4), torch.randn(4, 2), precision="fp8"), ValueError, "precision must be one of"),
+    (lambda: kf.gemm(torch.randn(3, 4), torch.randn(4, 2), precision="fp4"), ValueError, "precision must be one of"),
     (lambda: kf.gemm(torch.randn(3, 4).int(), torch.randn(4, 2), precision="fp32"), TypeError, "a must have dtype"),
     (lambda: kf.gemm(torch.randn(3, 4), torch.randn(4, 2), out_dtype=torch.int32), TypeError, "out_dtype"),
     (lambda: kf.gemm(torch.randn(3, 4), torch.randn(4, 2), precision="fp64"), ValueError, "precision must be one of"),
