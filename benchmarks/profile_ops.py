@@ -24,7 +24,7 @@ ITERATIONS = 5
 
 
 def implementations(suite, inputs, wanted):
-    found = {**kernelforge_implementations(suite, inputs[0]), "torch eager": suite.baselines()["torch eager"]}
+    found = {**kernelforge_implementations(suite, inputs), **suite.baselines()}
     return {name: fn for name, fn in found.items() if name in wanted}
 
 
@@ -81,7 +81,7 @@ def main() -> None:
             shape = parse(args.host_shape)
             inputs = suite.make_inputs(shape, dtype, torch.device("cuda"))
             for direction in suite.directions:
-                for name, fn in implementations(suite, inputs, ["kernelforge", "torch eager"]).items():
+                for name, fn in implementations(suite, inputs, wanted).items():
                     print(f"{op} {args.host_shape} {args.dtype} {direction} {name} (host)")
                     print(host_profile(prepare_call(fn, inputs, direction)), flush=True)
 

@@ -8,6 +8,8 @@
 #   window   benchmarks/window_experiment.py $WINDOW_ARGS (the sliding-window band walks, Flex)
 #   gemm-sweep  benchmarks/gemm_sweep.py $GEMM_SWEEP_ARGS (tile configs and a TMA kernel against cuBLAS)
 #   gemm-overhead  benchmarks/gemm_overhead.py (host cost per kf.gemm call, and its profile)
+#   profile  benchmarks/profile_ops.py $PROFILE_ARGS (device time per kernel, host profile per call)
+#   script   python3 $SCRIPT (one benchmark or probe script with its arguments) into script.log
 #   harness  kernelforge bench $BENCH_OPS (default all) --dtype $BENCH_DTYPE (default bf16) --crosscheck
 # Everything lands in $OUT/results/ and is packed into $OUT/results.tgz (the device returns
 # at most 8 files), exactly as produced.
@@ -63,6 +65,12 @@ for stage in $stages; do
       timeout "${BENCH_TIMEOUT:-540}" python3 -m kernelforge.cli bench ${BENCH_OPS:-all} --dtype "${BENCH_DTYPE:-bf16}" \
         --crosscheck --out "$R" > "$R/harness.log" 2>&1
       status=$(( status | $? )); tail -n 5 "$R/harness.log" ;;
+    profile)
+      timeout "${PROFILE_TIMEOUT:-200}" python3 benchmarks/profile_ops.py ${PROFILE_ARGS:-} > "$R/profile.log" 2>&1
+      status=$(( status | $? )); tail -n 20 "$R/profile.log" ;;
+    script)  # any one script: SCRIPT="benchmarks/x.py --args"
+      timeout "${SCRIPT_TIMEOUT:-200}" python3 $SCRIPT > "$R/script.log" 2>&1
+      status=$(( status | $? )); tail -n 30 "$R/script.log" ;;
     sweep) timeout 420 python3 benchmarks/softmax_sweep.py --out "$R" > "$R/sweep.log" 2>&1
       status=$(( status | $? )); tail -n 3 "$R/sweep.log" ;;
     overhead) timeout 300 python3 benchmarks/softmax_overhead.py > "$R/overhead.log" 2>&1

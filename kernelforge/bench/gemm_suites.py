@@ -1,6 +1,8 @@
 """GEMM suites: the plain product against cuBLAS (torch.matmul) and torch.compile, and the
 fused bias + GELU(tanh) epilogue against eager linear + gelu and its torch.compile, at
-TARGETS.md's squares and the LLM projection shapes (M tokens against N, K of 4096 / 14336).
+TARGETS.md's squares and the LLM projection shapes (M tokens against N, K of 4096 / 14336);
+tf32 (float32 operands) against cuBLAS's tf32; fp8 (e4m3 operands, per-row or per-tensor
+scales, bf16 out) against torch._scaled_mm.
 
 Shapes are (M, N, K); b is a Linear weight (N, K) read transposed (x @ W^T), as models call
 it. `kernelforge.bench.suites` adds `gemm_suites()` to its SUITES.
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 import kernelforge as kf
 from kernelforge.bench.roofline import Cost
 from kernelforge.ops.gemm import resolve_compute
+from kernelforge.reference.gemm import fp8_scale, quantize_fp8
 
 SQUARES = [(n, n, n) for n in (1024, 2048, 4096, 8192)]
 LLM = [(m, n, k) for m in (16, 128, 4096) for n, k in ((4096, 4096), (14336, 4096), (4096, 14336))]
@@ -62,6 +65,66 @@ def _support_args(inputs, direction):
     return (a, b), {"compute": resolve_compute(a, b, "auto")}
 
 
+def _with_tf32(fn):
+    """fn with torch.backends.cuda.matmul.allow_tf32 on for the call (cuBLAS's tf32 path;
+    torch.compile guards on the flag, so compiled and eager see the same)."""
+    def run(*args):
+        previous = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        try:
+            return fn(*args)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = previous
+
+    return run
+
+
+def _tf32_baselines():
+    matmul = lambda a, w: torch.matmul(a, w.t())  # noqa: E731
+    return {"torch eager": _with_tf32(matmul), "torch.compile": _with_tf32(torch.compile(matmul, dynamic=False))}
+
+
+def _tf32_cost(shape, dtype, direction):
+    M, N, K = shape
+    return Cost(4 * (M * K + N * K + M * N), 2 * M * N * K, "tf32")
+
+
+# (M, N, K, scaling): scaling "row" (a's rows and b's columns) or "tensor"
+FP8_SHAPES = [(n, n, n, s) for n in (4096, 8192) for s in ("row", "tensor")] + [
+    (m, n, k, "row") for m, n, k in LLM]
+FP8_QUICK = [(33, 32, 64, "row"), (64, 48, 32, "tensor")]
+
+
+def _fp8_inputs(shape, dtype, device):
+    """e4m3 a (M, K) and weight (N, K) with float32 scales shaped as torch._scaled_mm takes
+    them: (M, 1) and (1, N) per row, () per tensor."""
+    M, N, K, scaling = shape
+    a = torch.randn(M, K, device=device)
+    weight = torch.randn(N, K, device=device) / K ** 0.5
+    scale_a, scale_w = fp8_scale(a, scaling, -1), fp8_scale(weight, scaling, -1)
+    qa, qw = quantize_fp8(a, scale_a), quantize_fp8(weight, scale_w)
+    if scaling == "row":
+        return qa, qw, scale_a, scale_w.reshape(1, N)
+    return qa, qw, scale_a.reshape(()), scale_w.reshape(())
+
+
+def _fp8_cost(shape, dtype, direction):
+    M, N, K, _ = shape
+    return Cost(M * K + N * K + 2 * M * N + 4 * (M + N), 2 * M * N * K, "fp8")
+
+
+def _scaled_mm(fast_accum: bool):
+    def run(qa, qw, scale_a, scale_b):
+        if qa.device.type != "cuda":
+            from kernelforge.bench.suites import Unavailable
+
+            raise Unavailable("torch._scaled_mm runs on GPUs with float8 tensor cores")
+        return torch._scaled_mm(qa, qw.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16,
+                                use_fast_accum=fast_accum)
+
+    return run
+
+
 def gemm_suites() -> dict:
     from kernelforge.bench.suites import Suite  # (suites.py calls this once Suite is defined)
 
@@ -86,5 +149,35 @@ def gemm_suites() -> dict:
             kernelforge=lambda a, w, b: kf.gemm(a, w.t(), bias=b, activation="gelu_tanh"),
             baselines=_eager_and_compiled(lambda a, w, b: F.gelu(F.linear(a, w, b), approximate="tanh")),
             support_args=_support_args,
+        ),
+        "gemm_tf32": Suite(
+            op="gemm_tf32",
+            registry_op="gemm",
+            shapes=SQUARES,
+            quick_shapes=QUICK,
+            make_inputs=_inputs(bias=False),
+            cost=_tf32_cost,
+            kernelforge=lambda a, w: kf.gemm(a, w.t(), precision="tf32"),
+            baselines=_tf32_baselines,
+            support_args=lambda inputs, direction: ((inputs[0], inputs[1].t()), {"compute": "tf32"}),
+            directions=("fwd",),
+            dtypes=("fp32",),
+        ),
+        "gemm_fp8": Suite(
+            op="gemm_fp8",
+            registry_op="gemm",
+            shapes=FP8_SHAPES,
+            quick_shapes=FP8_QUICK,
+            make_inputs=_fp8_inputs,
+            cost=_fp8_cost,
+            kernelforge=lambda qa, qw, sa, sb: kf.gemm(qa, qw.t(), scale_a=sa, scale_b=sb),
+            # the reduced-precision accumulation both ways: ours next to cuBLAS's
+            variants=lambda: {"kernelforge fast accum": lambda qa, qw, sa, sb: kf.gemm(
+                qa, qw.t(), scale_a=sa, scale_b=sb, fp8_fast_accum=True)},
+            baselines=lambda: {"torch._scaled_mm": _scaled_mm(False), "torch._scaled_mm fast accum": _scaled_mm(True)},
+            support_args=lambda inputs, direction: ((inputs[0], inputs[1].t()), {"compute": "fp8"}),
+            directions=("fwd",),
+            dtypes=("fp8",),
+            label=lambda shape: "x".join(map(str, shape[:3])) + f" {shape[3]}",
         ),
     }

@@ -18,6 +18,7 @@ from kernelforge.bench.suites import SUITES, Suite, Unavailable, kernelforge_imp
 from kernelforge.bench.timing import time_function
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SUITE_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn}  # what a suite may name as its own (Suite.dtypes)
 # Cases whose largest input has fewer elements than this are timed as back-to-back calls
 # (per-call host overhead counts, as it does in a model); larger ones with an L2 flush
 # before each run.
@@ -89,7 +90,7 @@ def run_suite(suite: Suite, dtypes: list[str], device: torch.device, quick: bool
     """The rows of one suite. An implementation raising Unavailable has no row; its reason
     is counted in `left_out` ({"impl: reason": cases})."""
     shapes = suite.quick_shapes if quick or device.type == "cpu" else suite.shapes
-    cases = [(s, d, direction) for d in dtypes for s in shapes for direction in suite.directions]
+    cases = [(s, d, direction) for d in suite.dtypes or dtypes for s in shapes for direction in suite.directions]
     baselines = suite.baselines() if backends_only is None else {}
     variants = suite.variants() if backends_only is None else {}
     kernel_only = suite.kernel_only() if device.type == "cuda" and backends_only is None else {}
@@ -99,7 +100,7 @@ def run_suite(suite: Suite, dtypes: list[str], device: torch.device, quick: bool
         # torch.compile keeps 8 graphs per function (recompile_limit) and then runs it eager,
         # silently: start each case afresh so every case's compiled baselines are compiled.
         torch._dynamo.reset()
-        dtype = DTYPES[dtype_name]
+        dtype = SUITE_DTYPES[dtype_name]
         inputs = suite.make_inputs(shape, dtype, device)
         impls = {**kernelforge_implementations(suite, inputs, backends_only, direction), **variants, **baselines}
         if direction == "fwd":

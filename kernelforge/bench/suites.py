@@ -58,6 +58,9 @@ class Suite:
     # More rows of the public function called another way (a window as a BlockMask).
     variants: Callable[[], dict[str, Fn]] = dict
     label: Callable[[Shape], str] = shape_label  # a shape as the rows name it
+    # The suite's own dtypes (names of kernelforge.bench.runner.DTYPES), run whatever --dtype
+    # asks: a precision suite (tf32, fp8) is defined by them. Empty: --dtype.
+    dtypes: tuple[str, ...] = ()
 
 
 def _softmax_kernel_only() -> dict[str, Fn]:
