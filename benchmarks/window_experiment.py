@@ -112,6 +112,8 @@ def main():
     ap.add_argument("--s", type=int, default=8192)
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--variants", action="store_true", help="time the experimental kernel's variants")
+    ap.add_argument("--backward-tiles", action="store_true",
+                    help="time the library's one-loop backward at other tiles (BACKWARD_TILES[128] swapped)")
     args = ap.parse_args()
     B, H, S, D, W = 16384 // args.s, 16, args.s, 128, args.window
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -150,6 +152,8 @@ def main():
               f"fwd+bwd {(ms + ms_b) * 1e3:.1f} us", flush=True)
     except Exception as err:
         print("flex failed:", str(err)[:200])
+    if args.backward_tiles:
+        sweep_backward_tiles(q, k, v, g, scale, vis, flops, results[True][2])
     if not args.variants:
         return
     tiles = [(64, 64, 4, 3), (64, 64, 8, 3), (64, 64, 4, 4), (64, 32, 4, 3), (64, 32, 4, 4), (64, 128, 8, 2),
@@ -165,6 +169,25 @@ def main():
                   flush=True)
         except Exception as err:
             print(f"{label}: failed {str(err)[:160]}", flush=True)
+
+
+def sweep_backward_tiles(q, k, v, g, scale, vis, flops, reference_grads):
+    """The library's backward (both kernels take BACKWARD_TILES) at each candidate tile."""
+    default = tri.BACKWARD_TILES[128]
+    out, lse = tri.flash_forward(q, k, v, scale, vis)
+    for block_m, block_n, warps, stages in ((64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (32, 64, 4, 3),
+                                            (64, 32, 4, 3), (64, 128, 8, 2), (128, 64, 8, 2), (32, 128, 4, 2)):
+        tri.BACKWARD_TILES[128] = tri.TileConfig(block_m, block_n, warps, stages)
+        label = f"backward {block_m}x{block_n}/{warps}w/{stages}s"
+        try:
+            grads = tri.flash_backward(g, q, k, v, out, lse, scale, vis)
+            err = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads, reference_grads))
+            ms = do_bench(lambda: tri.flash_backward(g, q, k, v, out, lse, scale, vis), rep=100)
+            print(f"{label}: {ms * 1e3:.1f} us, {2.5 * flops / ms / 1e9:.1f} TFLOP/s (max diff {err:.3g})",
+                  flush=True)
+        except Exception as err:
+            print(f"{label}: failed {str(err)[:160]}", flush=True)
+    tri.BACKWARD_TILES[128] = default
 
 
 if __name__ == "__main__":
