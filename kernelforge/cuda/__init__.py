@@ -5,6 +5,7 @@
     softmax = get_cuda_softmax()          # a SoftMaxOp over the last dimension
     y = softmax.forward(x); dx = softmax.backward(dy, y)
     out = flash_attention(q, k, v, scale=0.125)   # (B, H, S, D) float16 / bfloat16
+    c = gemm(a, b, block_size=256, shared_mem=True)  # a @ b, float16 / bfloat16, tensor cores
 
 Importing this package builds nothing; extensions are built on first use (or ahead of
 time with `kernelforge build`).
@@ -45,6 +46,17 @@ def flash_attention(q, k, v, scale: float = 0.125, causal: bool = False):
     return _flash_attention(q, k, v, scale, causal)
 
 
+def gemm(a, b, block_size: int = 256, shared_mem: bool = True):
+    """a @ b on the CUDA tensor-core GEMM (mma.sync, 128 x 128 tiles through a cp.async
+    shared-memory pipeline): a (..., M, K), b (..., K, N), float16 / bfloat16, batch dims
+    broadcast; the result in a's dtype. block_size: threads per block, 256 or 128;
+    shared_mem=False is refused (the kernel always tiles through shared memory). The raw
+    kernel, no autograd and no epilogue (kernelforge.gemm has both)."""
+    from kernelforge.cuda.matmul import matmul
+
+    return matmul(a, b, block_size, shared_mem)
+
+
 def __getattr__(name):  # SoftMaxOp without importing torch's extension machinery eagerly
     if name == "SoftMaxOp":
         from kernelforge.cuda.softmax import SoftMaxOp
@@ -53,5 +65,5 @@ def __getattr__(name):  # SoftMaxOp without importing torch's extension machiner
     raise AttributeError(name)
 
 
-__all__ = ["CUDABuildError", "CUDACompiler", "EXTENSIONS", "SoftMaxOp", "flash_attention", "get_cuda_compiler",
+__all__ = ["CUDABuildError", "CUDACompiler", "EXTENSIONS", "SoftMaxOp", "flash_attention", "gemm", "get_cuda_compiler",
            "get_cuda_softmax", "why_unavailable"]

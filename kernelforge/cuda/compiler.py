@@ -44,6 +44,7 @@ EXTENSIONS: dict[str, Extension] = {
     "norms": Extension("norms", ("norms_forward.cu", "norms_backward.cu", "norms_binding.cpp")),
     "activations": Extension("activations", ("activations_cuda.cu", "activations_binding.cpp")),
     "attention": Extension("attention", ("attention_forward.cu", "attention_binding.cpp")),
+    "gemm": Extension("gemm", ("gemm_cuda.cu", "gemm_binding.cpp")),
 }
 
 

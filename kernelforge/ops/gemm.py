@@ -33,8 +33,8 @@ precision "fp8" trains with the straight-through estimator: the rounding to e4m3
 the identity, and the backward GEMMs run in bf16 on the unquantized operands (an e4m3
 operand takes no gradient).
 
-Backends (registry "gemm": gemm): triton, reference. See kernelforge/reference/gemm.py for
-the launcher interface and what each compute mode means.
+Backends (registry "gemm": gemm): triton, cuda (fp16 / bf16 compute), reference. See
+kernelforge/reference/gemm.py for the launcher interface and what each compute mode means.
 """
 from __future__ import annotations
 
@@ -100,13 +100,25 @@ def _why_not_triton(a: torch.Tensor, b: torch.Tensor, compute: str = "fp32"):
     return why_unavailable(a.device)
 
 
+def _why_not_cuda(a: torch.Tensor, b: torch.Tensor, compute: str = "fp32"):
+    if a.device.type != "cuda":
+        return f"the CUDA extension runs on CUDA tensors, got a {a.device.type} tensor"
+    from kernelforge.cuda import why_unavailable
+    from kernelforge.cuda.matmul import why_not
+
+    return why_not(a, b, compute) or why_unavailable("gemm")
+
+
 def _preference(a: torch.Tensor, b: torch.Tensor, compute: str = "fp32"):
     if a.device.type != "cuda":
         return ("reference",), "the reference is the CPU implementation"
-    return ("triton", "reference"), "the Triton GEMM fuses the epilogue; the reference is torch.matmul"
+    return (("triton", "cuda", "reference"),
+            "the Triton GEMM (TMA and wgmma on Hopper) first; the CUDA one (mma.sync, cp.async) second; "
+            "the reference is torch.matmul")
 
 
 backends.register(OP, "triton", "kernelforge.triton.gemm", _why_not_triton)
+backends.register(OP, "cuda", "kernelforge.cuda.matmul", _why_not_cuda)
 backends.register(OP, "reference", "kernelforge.reference.gemm", lambda *inputs, **options: None)
 backends.set_preference(OP, _preference, lambda a, b, compute="fp32": (a.device.type, a.dtype, b.dtype, compute))
 

@@ -18,6 +18,8 @@ TORCH_ACT = {None: lambda z: z, "gelu": F.gelu, "gelu_tanh": lambda z: F.gelu(z,
 
 
 def dtypes_for(backend, device):
+    if backend == "cuda":  # the CUDA kernel computes at the 16-bit operands' own dtype
+        return [torch.float16, torch.bfloat16]
     if backend == "reference":
         return GPU_DTYPES + [torch.float64]
     if device == "cpu":  # the interpreter's bf16 tl.dot is wrong: bf16 Triton is GPU-only
@@ -145,6 +147,25 @@ def test_strided_transposed_and_broadcast_operands(backend, device, dtype):
                             "residual (M, 1)": torch.randn(M, 1, device=device, dtype=dtype),
                             "residual (2, 1, N)": torch.randn(2, 1, N, device=device, dtype=dtype)}.items():
         check(backend, device, dtype, a, weight.t(), None, "relu", residual, what=label)
+
+
+@pytest.mark.parametrize("backend,device,dtype", _params(("cuda",)))
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_cuda_backend_through_the_op(backend, device, dtype, shape):
+    # The CUDA extension as the op's backend (its own tests, tests/cuda/test_gemm_cuda.py, cover
+    # layouts and every epilogue at the launcher). Forced, every op of the backward runs on
+    # CUDA too: without an activation the backward is GEMMs and a sum, all of which it has.
+    batch_a, batch_b, M, K, N = shape
+    a, b = operands(device, dtype, batch_a, batch_b, M, K, N)
+    bias = torch.randn(N, device=device, dtype=dtype)
+    residual = torch.randn(*torch.broadcast_shapes(batch_a, batch_b), M, N, device=device, dtype=dtype)
+    check(backend, device, dtype, a, b, bias, None, residual)
+    check(backend, device, dtype, a.transpose(-1, -2).contiguous().transpose(-1, -2), b)
+    with torch.no_grad(), kf.use_backend(backend):
+        out = kf.gemm(a, b, bias=bias, activation="gelu_tanh", residual=residual)
+    oracle = torch_gemm(a.double(), b.double(), bias.double(), "gelu_tanh", residual.double())
+    same = torch_gemm(a, b, bias, "gelu_tanh", residual)
+    assert_matches_oracle(out, same, oracle, f"cuda gelu_tanh {shape}", reduced=K, terms_scale=term_scale(a, b))
 
 
 @pytest.mark.parametrize("backend,device", backend_cases(("triton",)))
