@@ -7,7 +7,10 @@ a row-major (K, N) matrix ("nn"):
 - ptr <config>: gemm_kernel (pointers; kernelforge/triton/gemm.py's CONFIGS_16BIT);
 - tma <config>: gemm_tma_kernel (TMA descriptors, Hopper; CONFIGS_TMA and EXTRA_TMA).
 
-    python3 benchmarks/gemm_sweep.py [--shapes 4096,4096,4096 ...] [--epilogue]
+    python3 benchmarks/gemm_sweep.py [--shapes 4096,4096,4096 ...] [--epilogue] [--fp8]
+
+--fp8: e4m3 operands with per-row scales, bf16 out, against torch._scaled_mm, each config
+with the float32 promotion per K tile ("precise") and without ("fast"), both kernels.
 
 The first run (before gemm_tma_kernel existed) also timed Triton's warp specialization and
 an epilogue stored in two halves: neither helped on the H200 (results/nvidia-h200/gemm/sweep/).
@@ -21,54 +24,72 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from kernelforge.triton.gemm import CONFIGS_16BIT, CONFIGS_TMA, _config, _even_k, _tma_block_shapes, _tma_operands
+from kernelforge.reference.gemm import fp8_scale, quantize_fp8
+from kernelforge.triton.gemm import (CONFIGS_16BIT, CONFIGS_FP8, CONFIGS_TMA, _config, _even_k, _tma_block_shapes,
+                                     _tma_operands)
 from kernelforge.triton.gemm_kernels import gemm_kernel, gemm_tma_kernel
 
 FAST_BF16 = True  # --precise-epilogue: the exp + division activation at bf16 outputs as well
 EXTRA_TMA = [_config(128, 256, 64, 8, 3, group=4), _config(128, 256, 64, 8, 3, group=16),
              _config(256, 128, 64, 8, 3), _config(128, 256, 32, 8, 4)]
+EXTRA_FP8 = [_config(128, 256, 64, 8, 4), _config(128, 128, 256, 8, 3), _config(256, 128, 128, 8, 3),
+             _config(128, 256, 128, 8, 3, group=16)]
+COMPUTE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8"}
 
 
 def _sms(device):
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def tma_gemm(a, b, bias, activation, config):
-    """gemm_tma_kernel at one config; b is the (K, N) operand (a view, either memory order)."""
+def _scales(scales, c):
+    """(SA, SB, their row / column strides, the SCALED / FP8_PRECISE flags) of fp8 scales, or
+    placeholders."""
+    if scales is None:
+        return c, c, 0, 0, dict(SCALED=False, FP8_PRECISE=False)
+    sa, sb, precise = scales
+    return sa, sb, sa.stride(0), sb.stride(1), dict(SCALED=True, FP8_PRECISE=precise)
+
+
+def tma_gemm(a, b, bias, activation, config, scales=None):
+    """gemm_tma_kernel at one config; b is the (K, N) operand (a view, either memory order;
+    K-major for fp8); scales: (scale_a (M, 1), scale_b (1, N), precise) for e4m3 operands."""
     M, K = a.shape
     N = b.shape[1]
-    c = torch.empty(M, N, device=a.device, dtype=a.dtype)
-    compute = {torch.bfloat16: "bf16", torch.float16: "fp16"}[a.dtype]
+    c = torch.empty(M, N, device=a.device, dtype=torch.bfloat16 if scales else a.dtype)
+    compute = COMPUTE[a.dtype]
     descriptors, orders = _tma_operands(a[None], b[None], c[None], compute)
+    sa, sb, ssam, ssbn, fp8 = _scales(scales, c)
     kw = dict(config.kwargs)
     _tma_block_shapes(dict(zip(("a_desc", "b_desc", "c_desc"), descriptors), **orders, **kw))
     sms = _sms(a.device)
     grid = (min(sms, triton.cdiv(M, kw["BLOCK_M"]) * triton.cdiv(N, kw["BLOCK_N"])),)
-    gemm_tma_kernel[grid](*descriptors, bias if bias is not None else c, c, c, M, N, K, 0, 0, 0, 0,
-                          triton.next_power_of_2(M), sms, COMPUTE=compute, **orders, ACTIVATION=activation or "none",
-                          HAS_BIAS=bias is not None, HAS_RESIDUAL=False, SAVE_PREACT=False, PRECISE=True,
-                          BF16_OUT=FAST_BF16 and a.dtype == torch.bfloat16, **kw,
-                          num_warps=config.num_warps, num_stages=config.num_stages)
+    gemm_tma_kernel[grid](*descriptors, bias if bias is not None else c, c, c, sa, sb, M, N, K, 0, 0, 0, 0, ssam,
+                          ssbn, triton.next_power_of_2(M), sms, COMPUTE=compute, **orders,
+                          ACTIVATION=activation or "none", HAS_BIAS=bias is not None, HAS_RESIDUAL=False,
+                          SAVE_PREACT=False, PRECISE=True, BF16_OUT=FAST_BF16 and c.dtype == torch.bfloat16, **kw,
+                          **fp8, num_warps=config.num_warps, num_stages=config.num_stages)
     return c
 
 
 _LIB = triton.heuristics({"EVEN_K": _even_k})(gemm_kernel)
 
 
-def pointer_gemm(a, b, bias, activation, config):
-    """gemm_kernel at one config; b is the (K, N) operand (a view, any strides)."""
+def pointer_gemm(a, b, bias, activation, config, scales=None):
+    """gemm_kernel at one config; b is the (K, N) operand (a view, any strides; K-major for
+    fp8); scales as tma_gemm's."""
     M, K = a.shape
     N = b.shape[1]
-    c = torch.empty(M, N, device=a.device, dtype=a.dtype)
+    c = torch.empty(M, N, device=a.device, dtype=torch.bfloat16 if scales else a.dtype)
+    sa, sb, ssam, ssbn, fp8 = _scales(scales, c)
     kw = dict(config.kwargs)
     tiles = triton.cdiv(M, kw["BLOCK_M"]) * triton.cdiv(N, kw["BLOCK_N"])
     grid = (min(_sms(a.device), tiles),)
-    _LIB[grid](a, b, c, bias if bias is not None else c, c, c, M, N, K, 0, *a.stride(), 0, *b.stride(),
-               0, *c.stride(), 0, 0, 0, 0, 0, 0, 1, triton.next_power_of_2(M),
-               COMPUTE={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(a.dtype, "fp32"), PRECISION="tf32",
+    _LIB[grid](a, b, c, bias if bias is not None else c, c, c, sa, sb, M, N, K, 0, *a.stride(), 0, *b.stride(),
+               0, *c.stride(), 0, 0, 0, 0, 0, 0, 0, ssam, 0, ssbn, 1, triton.next_power_of_2(M),
+               COMPUTE=COMPUTE.get(a.dtype, "fp32"), PRECISION="tf32",
                ACTIVATION=activation or "none", HAS_BIAS=bias is not None, HAS_RESIDUAL=False, SAVE_PREACT=False,
-               PRECISE=True, BF16_OUT=FAST_BF16 and a.dtype == torch.bfloat16, **kw, num_warps=config.num_warps,
-               num_stages=config.num_stages)
+               PRECISE=True, BF16_OUT=FAST_BF16 and c.dtype == torch.bfloat16, **kw, **fp8,
+               num_warps=config.num_warps, num_stages=config.num_stages)
     return c
 
 
@@ -80,7 +101,10 @@ def main():
     ap.add_argument("--precise-epilogue", action="store_true", help="no SFU tanh at bf16 outputs")
     ap.add_argument("--configs", choices=("all", "best"), default="all",
                     help="best: the 128x256x64 tiles of both kernels only")
+    ap.add_argument("--fp8", action="store_true", help="e4m3 operands against torch._scaled_mm instead")
     args = ap.parse_args()
+    if args.fp8:
+        return sweep_fp8(args.shapes)
     global FAST_BF16
     FAST_BF16 = not args.precise_epilogue
     torch.manual_seed(0)
@@ -118,10 +142,45 @@ def main():
                     try:
                         err = (fn(a, b_view, b_, activation, cfg).float() - want).abs().max().item()
                         t = do_bench(lambda: fn(a, b_view, b_, activation, cfg), rep=100)
-                        print(f"{label}: {t * 1e3:.1f} us, {flops / t / 1e9:.0f} TFLOP/s, {ms / t:.2f}x (err {err:.3g})",
-                              flush=True)
+                        print(f"{label}: {t * 1e3:.1f} us, {flops / t / 1e9:.0f} TFLOP/s, {ms / t:.2f}x "
+                              f"(err {err:.3g})", flush=True)
                     except Exception as e:  # noqa: BLE001 - a config that does not fit is a result too
                         print(f"{label}: failed {str(e)[:150]}", flush=True)
+
+
+def sweep_fp8(shapes):
+    torch.manual_seed(0)
+    for spec in shapes:
+        M, N, K = map(int, spec.split(","))
+        flops = 2 * M * N * K
+        a = torch.randn(M, K, device="cuda")
+        w = torch.randn(N, K, device="cuda") / K ** 0.5
+        sa, sw = fp8_scale(a, "row", -1), fp8_scale(w, "row", -1)
+        qa, qw, sb = quantize_fp8(a, sa), quantize_fp8(w, sw), sw.reshape(1, N)
+        times = {}
+        for fast in (False, True):
+            def cublas(fast=fast):
+                return torch._scaled_mm(qa, qw.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                                        use_fast_accum=fast)
+            want = cublas().float()
+            times[fast] = ms = do_bench(cublas, rep=100)
+            print(f"{M}x{N}x{K} _scaled_mm {'fast' if fast else 'precise'}: {ms * 1e3:.1f} us, "
+                  f"{flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+        # the launcher's choice: pointers under 65 rows, TMA above
+        runs = ([("ptr", pointer_gemm, c) for c in CONFIGS_FP8] if M < 65 else
+                [("tma", tma_gemm, c) for c in CONFIGS_FP8 + EXTRA_FP8])
+        for (kind, fn, cfg), precise in ((r, p) for r in runs for p in (True, False)):
+            kw = cfg.kwargs
+            label = (f"{M}x{N}x{K} {kind} {kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']} g{kw['GROUP_M']} "
+                     f"{cfg.num_warps}w/{cfg.num_stages}s {'precise' if precise else 'fast'}")
+            scales = (sa, sb, precise)
+            try:
+                err = (fn(qa, qw.t(), None, None, cfg, scales).float() - want).abs().max().item()
+                t = do_bench(lambda: fn(qa, qw.t(), None, None, cfg, scales), rep=100)
+                print(f"{label}: {t * 1e3:.1f} us, {flops / t / 1e9:.0f} TFLOP/s, {times[not precise] / t:.2f}x "
+                      f"_scaled_mm {'precise' if precise else 'fast'} (diff {err:.3g})", flush=True)
+            except Exception as e:  # noqa: BLE001 - a config that does not fit is a result too
+                print(f"{label}: failed {str(e)[:150]}", flush=True)
 
 
 if __name__ == "__main__":
