@@ -16,8 +16,6 @@ test_compiler.py compiles attention_forward.cu for sm_90 with -Werror and zero s
 from __future__ import annotations
 
 import math
-import os
-import shutil
 import struct
 import subprocess
 from pathlib import Path
@@ -27,8 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from kernelforge.cuda import attention as cuda_attention
-from kernelforge.cuda.compiler import CSRC, EXTENSIONS
+from kernelforge.cuda.compiler import EXTENSIONS
 from tests.conftest import needs_cuda
+from tests.cuda.emulation import build_emulator
 from tests.numerics import assert_matches_oracle
 
 HEAD_DIMS = (32, 64, 96, 128, 256)
@@ -167,34 +166,9 @@ def test_flash_attention_raw_api_raises_with_the_reason():
 EMU_DIR = Path(__file__).resolve().parent / "attention_emu"
 
 
-def _cuda_include() -> Path | None:
-    """A CUDA toolkit include directory (for cuda_fp16.h / cuda_bf16.h), or None."""
-    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        roots.append(str(Path(nvcc).resolve().parent.parent))
-    roots.append("/usr/local/cuda")
-    for root in filter(None, roots):
-        if (Path(root) / "include" / "cuda_bf16.h").is_file():
-            return Path(root) / "include"
-    return None
-
-
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory) -> Path:
-    cxx, include = shutil.which("g++") or shutil.which("c++"), _cuda_include()
-    if cxx is None or include is None:
-        pytest.skip("the kernel emulation needs a C++20 compiler and the CUDA headers (cuda_bf16.h)")
-    work = tmp_path_factory.mktemp("attention_emu")
-    src = work / "csrc"
-    shutil.copytree(CSRC, src)
-    shutil.copy(EMU_DIR / "attention_mma.cuh", src / "attention_mma.cuh")  # the emulated instructions
-    exe = work / "emulate"
-    result = subprocess.run(
-        [cxx, "-std=c++20", "-O2", "-fno-strict-aliasing", f"-I{src}", f"-I{include}", str(EMU_DIR / "emulate.cpp"),
-         "-o", str(exe)], capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr
-    return exe
+    return build_emulator(tmp_path_factory, EMU_DIR)
 
 
 def _readable_in_place(t: torch.Tensor) -> bool:  # the binding's rule (attention_binding.cpp)

@@ -19,49 +19,29 @@ streams. test_compiler.py compiles gemm_cuda.cu for sm_90 with -Werror and zero 
 from __future__ import annotations
 
 import math
-import os
-import shutil
 import struct
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kernelforge.cuda import gemm as _package_gemm
-from kernelforge.cuda.compiler import CSRC, EXTENSIONS
+from kernelforge.cuda.compiler import EXTENSIONS
 from kernelforge.reference.activations import KINDS, activation_value
 from tests.conftest import needs_cuda
+from tests.cuda.emulation import build_emulator
 from tests.numerics import assert_matches_oracle
+from tests.ops.test_gemm import term_scale, torch_gemm  # the op tests' yardstick
 
 import kernelforge.cuda.matmul as cuda_gemm  # noqa: E402  (the package's gemm function stays: test below)
 
 DTYPES = (torch.float16, torch.bfloat16)
 ACTIVATIONS = (None,) + KINDS
-TORCH_ACT = {None: lambda z: z, "gelu": F.gelu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
-             "silu": F.silu, "relu": torch.relu}
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 # ----------------------------------------------------------------------------- oracle
-def torch_gemm(a, b, bias=None, activation=None, residual=None):
-    """What a user writes in eager PyTorch at a's dtype (the yardstick; in float64, the
-    oracle). As tests/ops/test_gemm.py's, for 3-D (batch, M, K) @ (batch, K, N)."""
-    z = torch.matmul(a, b)
-    if bias is not None:
-        z = z + bias.to(z.dtype)
-    y = TORCH_ACT[activation](z)
-    return y if residual is None else y + residual.to(y.dtype)
-
-
-def term_scale(a, b):
-    """max over outputs of sum_k |a_ik b_kj|: the scale of a dot product's rounding errors."""
-    if a.numel() == 0 or b.numel() == 0:
-        return 0.0
-    return torch.matmul(a.double().abs(), b.double().abs()).max().item()
-
-
 def check(out, a, b, bias=None, activation=None, residual=None, preact=None, what=""):
     """out (and preact) of a (batch, M, K) @ b (batch, K, N) with the epilogue, against the
     float64 oracle; the yardstick is PyTorch at the operands' dtype, or in float32 for a
@@ -184,37 +164,11 @@ def test_raw_api_raises_with_the_reason():
 
 # ----------------------------------------------------------------------------- CPU: emulation
 EMU_DIR = Path(__file__).resolve().parent / "gemm_emu"
-MMA_EMULATION = Path(__file__).resolve().parent / "attention_emu" / "attention_mma.cuh"
-
-
-def _cuda_include() -> Path | None:
-    """A CUDA toolkit include directory (for cuda_fp16.h / cuda_bf16.h), or None."""
-    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        roots.append(str(Path(nvcc).resolve().parent.parent))
-    roots.append("/usr/local/cuda")
-    for root in filter(None, roots):
-        if (Path(root) / "include" / "cuda_bf16.h").is_file():
-            return Path(root) / "include"
-    return None
 
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory) -> Path:
-    cxx, include = shutil.which("g++") or shutil.which("c++"), _cuda_include()
-    if cxx is None or include is None:
-        pytest.skip("the kernel emulation needs a C++20 compiler and the CUDA headers (cuda_bf16.h)")
-    work = tmp_path_factory.mktemp("gemm_emu")
-    src = work / "csrc"
-    shutil.copytree(CSRC, src)
-    shutil.copy(MMA_EMULATION, src / "attention_mma.cuh")  # the emulated instructions
-    exe = work / "emulate"
-    result = subprocess.run(
-        [cxx, "-std=c++20", "-O2", "-fno-strict-aliasing", f"-I{src}", f"-I{include}", str(EMU_DIR / "emulate.cpp"),
-         "-o", str(exe)], capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr
-    return exe
+    return build_emulator(tmp_path_factory, EMU_DIR)
 
 
 # The binding's layout rules (gemm_binding.cpp), for CPU tensors whose storage the emulator
@@ -327,14 +281,25 @@ def variant(a, b):
     return _operand_layout(a, 2)[1] == 2, _operand_layout(b, 2)[1] == 1
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["f16", "bf16"])
-@pytest.mark.parametrize("layouts", EMU_LAYOUTS, ids=["-".join(x) for x in EMU_LAYOUTS])
-@pytest.mark.parametrize("shape", EMU_SHAPES, ids=["x".join(map(str, s)) for s in EMU_SHAPES])
+def _emulated_cases():
+    """Every (shape, layouts, dtype), but the long shapes (K or M over 1000) only on two
+    layouts, and M over 1000 in float16 only: emulation time."""
+    cases = []
+    for shape in EMU_SHAPES:
+        for layouts in EMU_LAYOUTS:
+            for dtype, name in zip(DTYPES, ("f16", "bf16")):
+                _, M, _, K = shape
+                if (K > 1000 or M > 1000) and layouts not in (("rows", "cols"), ("cols-padded", "rows-padded")) \
+                        or M > 1000 and dtype != torch.float16:
+                    continue
+                cases.append(pytest.param(shape, layouts, dtype,
+                                          id=f"{'x'.join(map(str, shape))}-{'-'.join(layouts)}-{name}"))
+    return cases
+
+
+@pytest.mark.parametrize("shape,layouts,dtype", _emulated_cases())
 def test_emulated_kernel_matches_oracle(emulator, tmp_path, shape, layouts, dtype):
     batch, M, N, K = shape
-    if (K > 1000 or M > 1000) and layouts not in (("rows", "cols"), ("cols-padded", "rows-padded")) \
-            or M > 1000 and dtype != torch.float16:
-        pytest.skip("the long shapes run on one layout / dtype (emulation time)")
     a = operand(batch, M, K, dtype, "cpu", layouts[0])
     b = operand(batch, K, N, dtype, "cpu", layouts[1], scale=K ** -0.5)
     if "padded" in layouts[0] and min(M, K) > 1:
