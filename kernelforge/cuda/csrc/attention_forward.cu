@@ -22,12 +22,12 @@
 #include "attention_cuda.h"
 
 #include "attention_kernel.cuh"
+#include "smem_opt_in.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
 
 namespace kernelforge {
@@ -39,18 +39,8 @@ using attention::TileFor;
 template <typename Tile>
 cudaError_t launch(const AttentionForwardArgs& a, cudaStream_t stream) {
   const auto kernel = attention::flash_fwd_kernel<Tile>;
-  if constexpr (Tile::kSmemBytes > 48 * 1024) {  // opt in, once per device (64 devices cached)
-    static std::atomic<uint64_t> configured{0};
-    int device = 0;
-    cudaError_t err = cudaGetDevice(&device);
-    if (err != cudaSuccess) return err;
-    const uint64_t bit = device >= 0 && device < 64 ? uint64_t{1} << device : 0;
-    if (bit == 0 || !(configured.load(std::memory_order_relaxed) & bit)) {
-      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
-      if (err != cudaSuccess) return err;
-      configured.fetch_or(bit, std::memory_order_relaxed);
-    }
-  }
+  const cudaError_t opt_in = kernelforge::opt_in_shared_memory<attention::flash_fwd_kernel<Tile>, Tile::kSmemBytes>();
+  if (opt_in != cudaSuccess) return opt_in;
   // x: query tiles (reversed in the kernel), y: heads, z: batch.
   const dim3 grid(static_cast<unsigned>((a.q_len + Tile::kBM - 1) / Tile::kBM), static_cast<unsigned>(a.heads),
                   static_cast<unsigned>(a.batch));

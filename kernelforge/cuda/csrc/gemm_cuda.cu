@@ -26,12 +26,12 @@
 #include "gemm_cuda.h"
 
 #include "gemm_kernel.cuh"
+#include "smem_opt_in.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
 
 namespace kernelforge {
@@ -47,18 +47,8 @@ constexpr int64_t kMaxCtas = (int64_t{1} << 31) - 1;  // gridDim.x
 template <typename Tile>
 cudaError_t launch(const GemmArgs& a, cudaStream_t stream) {
   const auto kernel = gemm::gemm_kernel<Tile>;
-  if constexpr (Tile::kSmemBytes > 48 * 1024) {  // opt in, once per device (64 devices cached)
-    static std::atomic<uint64_t> configured{0};
-    int device = 0;
-    cudaError_t err = cudaGetDevice(&device);
-    if (err != cudaSuccess) return err;
-    const uint64_t bit = device >= 0 && device < 64 ? uint64_t{1} << device : 0;
-    if (bit == 0 || !(configured.load(std::memory_order_relaxed) & bit)) {
-      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
-      if (err != cudaSuccess) return err;
-      configured.fetch_or(bit, std::memory_order_relaxed);
-    }
-  }
+  const cudaError_t opt_in = kernelforge::opt_in_shared_memory<gemm::gemm_kernel<Tile>, Tile::kSmemBytes>();
+  if (opt_in != cudaSuccess) return opt_in;
   cudaError_t err = cudaSuccess;
   gemm::for_each_launch<Tile>(a, kMaxRows, kMaxCtas, [&](const GemmParams& p, int64_t ctas) {
     if (err != cudaSuccess) return;
