@@ -43,7 +43,11 @@ FP8_SCALINGS = ("row", "tensor")
 def fp8_scale(x: torch.Tensor, scaling: str, reduce_dim: int) -> torch.Tensor:
     """float32 scales that map x's largest magnitude onto e4m3's largest value: per tensor
     (shape (1,) * x.dim()), or "row" reducing only `reduce_dim` (the K dim: one scale per row
-    of a, per column of b). An all-zero slice gets scale 1."""
+    of a, per column of b). An all-zero or empty slice gets scale 1."""
+    if x.numel() == 0:
+        shape = [1] * x.dim() if scaling == "tensor" else [1 if d == reduce_dim % x.dim() else n
+                                                           for d, n in enumerate(x.shape)]
+        return torch.ones(shape, device=x.device)
     mag = x.detach().abs().float()
     amax = mag.amax() if scaling == "tensor" else mag.amax(dim=reduce_dim, keepdim=True)
     amax = amax.reshape((1,) * x.dim()) if scaling == "tensor" else amax

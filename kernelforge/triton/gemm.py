@@ -228,10 +228,10 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residua
                     SAVE_PREACT=save_preact, PRECISE=not interpreter_enabled(),
                     BF16_OUT=out_dtype == torch.bfloat16 and not interpreter_enabled(), SCALED=scaled,
                     FP8_PRECISE=scaled and not fast_accum)
-    if not scaled:  # never read: any float32 pointer with strides
-        scale_a = scale_b = torch.empty(1, 1, device=a.device)
+    # (batch, row) strides of scale_a and (batch, column) of scale_b; unscaled: never read
+    scale_strides = (*scale_a.stride(), *scale_b.stride()) if scaled else (0, 0, 0, 0)
     pointers = (bias if bias is not None else out, residual if residual is not None else out,
-                preact if preact is not None else out, scale_a, scale_b)
+                preact if preact is not None else out, scale_a if scaled else out, scale_b if scaled else out)
     tma = _tma_operands(a, b, out, compute) if _take_tma(a) else None
     sms = sm_count(a.device)
 
@@ -243,18 +243,19 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residua
               None if residual is None else residual.dtype)
     with on_device(a):
         if tma is not None:
-            _launch_tma(tma, out, pointers, residual, preact, M, N, K, compute, epilogue, sms, dtypes)
+            _launch_tma(tma, out, pointers, residual, preact, M, N, K, compute, epilogue, sms, dtypes,
+                        scale_strides)
             return out, preact
         signature = ("pointers", triton.next_power_of_2(M), N, K, a.stride(2), b.stride(2), compute, *dtypes,
                      *epilogue.values())
         _launch(_pointer_kernels(_OPERAND_BITS[compute]), signature, grid,
                 (a, b, out, *pointers, M, N, K, *a.stride(), *b.stride(), *out.stride(), *_strides(residual, out),
-                 *_strides(preact, out), *scale_a.stride(), *scale_b.stride(), batch, triton.next_power_of_2(M)),
+                 *_strides(preact, out), *scale_strides, batch, triton.next_power_of_2(M)),
                 dict(COMPUTE=compute, PRECISION=_PRECISION[compute], **epilogue))
     return out, preact
 
 
-def _launch_tma(tma, out, pointers, residual, preact, M, N, K, compute, epilogue, sms, dtypes):
+def _launch_tma(tma, out, pointers, residual, preact, M, N, K, compute, epilogue, sms, dtypes, scale_strides):
     descriptors, orders = tma
 
     def set_block_shapes(config_kwargs):  # what the autotuner's pre-hook does when it launches
@@ -264,8 +265,7 @@ def _launch_tma(tma, out, pointers, residual, preact, M, N, K, compute, epilogue
         return (max(1, min(sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]))),)
 
     signature = ("tma", triton.next_power_of_2(M), N, K, compute, *orders.values(), *dtypes, *epilogue.values())
-    scale_a, scale_b = pointers[3:]
     _launch(_tma_kernels(_OPERAND_BITS[compute]), signature, grid,
             (*descriptors, *pointers, M, N, K, *_strides(residual, out)[1:], *_strides(preact, out)[1:],
-             scale_a.stride(1), scale_b.stride(1), triton.next_power_of_2(M), sms),
+             scale_strides[1], scale_strides[3], triton.next_power_of_2(M), sms),
             dict(COMPUTE=compute, **orders, **epilogue), set_block_shapes)

@@ -192,6 +192,37 @@ def test_agrees_with_torch_scaled_mm(scaling):
     assert_matches_oracle(ours, theirs, oracle, f"fp8 {scaling} vs torch._scaled_mm", reduced=K, terms_scale=scale)
 
 
+@pytest.mark.parametrize("backend,device", backend_cases(("triton",)))
+@pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointers"])
+def test_both_triton_kernels(backend, device, use_tma, monkeypatch):
+    # Either kernel forced (the interpreter runs the TMA kernel's code on the CPU too), both
+    # scalings, the two layouts of b (row-major b is copied to K-major for e4m3).
+    from kernelforge.triton import gemm as triton_gemm
+
+    monkeypatch.setattr(triton_gemm, "USE_TMA", use_tma)
+    a = torch.randn(70, 64, device=device)
+    weight = torch.randn(48, 64, device=device) / 8
+    exact = a.double() @ weight.double().t()
+    with kf.use_backend(backend):
+        for scaling in reference.FP8_SCALINGS:
+            for b in (weight.t(), weight.t().contiguous()):
+                out = kf.gemm(a, b, precision="fp8", fp8_scaling=scaling, out_dtype=torch.float32)
+                assert sqnr_db(out, exact) >= MIN_SQNR_DB, f"{scaling} b strides {b.stride()}"
+
+
+@pytest.mark.parametrize("backend,device", backend_cases(("reference", "triton")))
+def test_empty_operands(backend, device):
+    bias = torch.randn(3, device=device)
+    with kf.use_backend(backend):
+        for scaling in reference.FP8_SCALINGS:
+            assert kf.gemm(torch.randn(0, 4, device=device), torch.randn(4, 3, device=device), precision="fp8",
+                           fp8_scaling=scaling).shape == (0, 3)
+            # K = 0: the product is zeros, the epilogue still runs
+            out = kf.gemm(torch.randn(5, 0, device=device), torch.randn(0, 3, device=device), bias=bias,
+                          activation="gelu", precision="fp8", fp8_scaling=scaling)
+            torch.testing.assert_close(out, torch.nn.functional.gelu(bias).expand(5, 3))
+
+
 # ----------------------------------------------------------------------------- errors
 def test_precision_auto_takes_fp8_for_e4m3_operands():
     a, b = torch.randn(4, 16).to(FP8), torch.randn(16, 8).to(FP8)
