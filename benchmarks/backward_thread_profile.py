@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 import kernelforge as kf
+from kernelforge.bench.timing import wall_us_per_call
 from kernelforge.ops import gemm as gemm_ops
 
 
@@ -29,14 +30,7 @@ def _touch(X):
 
 
 def per_call_us(fn, calls=200):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    return wall_us_per_call(fn, calls=calls, warmup=20)
 
 
 class _LaunchInBackward(torch.autograd.Function):

@@ -6,22 +6,15 @@ that time goes (cProfile, by own time).
 """
 import cProfile
 import pstats
-import time
 
 import torch
 
 import kernelforge as kf
+from kernelforge.bench.timing import wall_us_per_call
 
 
 def per_call_us(fn, calls=300):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    return wall_us_per_call(fn, calls=calls, warmup=20)
 
 
 def main():
