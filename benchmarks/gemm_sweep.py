@@ -64,7 +64,7 @@ def tma_gemm(a, b, bias, activation, config, scales=None):
     sms = _sms(a.device)
     grid = (min(sms, triton.cdiv(M, kw["BLOCK_M"]) * triton.cdiv(N, kw["BLOCK_N"])),)
     gemm_tma_kernel[grid](*descriptors, bias if bias is not None else c, c, c, sa, sb, M, N, K, 0, 0, 0, 0, ssam,
-                          ssbn, triton.next_power_of_2(M), sms, COMPUTE=compute, **orders,
+                          ssbn, triton.next_power_of_2(M), sms, COMPUTE=compute, PRECISION="tf32", **orders,
                           ACTIVATION=activation or "none", HAS_BIAS=bias is not None, HAS_RESIDUAL=False,
                           SAVE_PREACT=False, PRECISE=True, BF16_OUT=FAST_BF16 and c.dtype == torch.bfloat16, **kw,
                           **fp8, num_warps=config.num_warps, num_stages=config.num_stages)

@@ -1,7 +1,8 @@
 """Launcher of the Triton GEMM (kernelforge/triton/gemm_kernels.py): the gemm op's backend
 interface, as kernelforge/reference/gemm.py defines it.
 
-Two kernels: on Hopper (sm_90+), one matrix of fp16/bf16/e4m3 operands in their own dtype, with
+Two kernels: on Hopper (sm_90+), one matrix of fp16/bf16/e4m3 operands in their own dtype
+(or tf32: float32 operands rounded by a separate pass first, see _tf32_copy), with
 more than 64 rows, 16-byte-aligned rows and one unit stride each, goes through TMA
 descriptors (gemm_tma_kernel); everything else (batches, fp32 / tf32, few rows, odd strides,
 older GPUs) through pointers (gemm_kernel). USE_TMA overrides the choice (True / False;
@@ -23,7 +24,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernelforge.triton import interpreter_enabled
 from kernelforge.triton._launch import device_capability, on_device, sm_count
-from kernelforge.triton.gemm_kernels import gemm_kernel, gemm_tma_kernel
+from kernelforge.triton.gemm_kernels import gemm_kernel, gemm_tma_kernel, round_tf32_kernel
 
 USE_TMA: Optional[bool] = None
 _TMA_MIN_ROWS = 65  # at 16 rows the pointer kernel's 16-row tiles win (benchmarks/gemm_sweep.py)
@@ -54,6 +55,12 @@ CONFIGS_32BIT = [
 CONFIGS_TMA = [  # the fastest of benchmarks/gemm_sweep.py's TMA candidates at each of its shapes
     _config(128, 256, 64, 8, 3), _config(128, 128, 64, 4, 4), _config(128, 128, 64, 8, 4),
     _config(128, 128, 128, 8, 3), _config(64, 256, 64, 4, 4), _config(64, 128, 64, 4, 4),
+]
+# tf32 through TMA: 4-byte operands at half the 16-bit K depth (the same shared-memory bytes per
+# stage), leaving room for the float32 output tile the epilogue stores through shared memory.
+CONFIGS_TMA_32 = [
+    _config(128, 128, 32, 8, 4), _config(128, 128, 32, 4, 4), _config(128, 256, 32, 8, 3),
+    _config(64, 256, 32, 4, 4), _config(128, 64, 32, 4, 4), _config(64, 128, 32, 4, 4),
 ]
 # e4m3: the 16-bit shapes with twice the K depth (the same shared-memory bytes per stage), and
 # no tile under 64 rows (Hopper's fp8 tensor-core instruction is 64 rows tall per warp group).
@@ -115,7 +122,7 @@ def _tma_kernels(operand_bits: int):
     if interpreter_enabled():
         return None, gemm_tma_kernel
     configs = [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=_tma_block_shapes)
-               for c in (CONFIGS_FP8 if operand_bits == 8 else CONFIGS_TMA)]
+               for c in {8: CONFIGS_FP8, 16: CONFIGS_TMA, 32: CONFIGS_TMA_32}[operand_bits]]
     return triton.autotune(configs=configs, key=TMA_AUTOTUNE_KEY,
                            prune_configs_by={"early_config_prune": _prune})(gemm_tma_kernel), gemm_tma_kernel
 
@@ -169,13 +176,14 @@ def _tma_operands(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, compute: 
     """Descriptors of a, b and out and the operands' memory orders for gemm_tma_kernel, or
     None when it cannot take them: a batch, operands not 16-bit in the compute dtype, or a
     layout TMA cannot read."""
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": _FP8}.get(compute)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": _FP8, "tf32": torch.float32}.get(compute)
     if a.shape[0] != 1 or b.shape[0] != 1 or not a.dtype == b.dtype == dtype:
         return None
     found = {}
     for name, t, natural in (("a", a[0], "A_K_CONTIGUOUS"), ("b", b[0], "B_N_CONTIGUOUS")):
-        # e4m3: K-major only (_k_major made them so), the order the fp8 tensor cores read
-        unit_dims = ((1,) if name == "a" else (0,)) if compute == "fp8" else (1, 0)
+        # e4m3 and tf32: K-major only (_k_major / _tf32_copy made them so), the order their
+        # tensor-core instruction reads
+        unit_dims = ((1,) if name == "a" else (0,)) if compute in ("fp8", "tf32") else (1, 0)
         for unit_dim in unit_dims:
             desc = _tma_descriptor(t, unit_dim)
             if desc is not None:
@@ -213,6 +221,19 @@ def _k_major(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return a, b
 
 
+def _tf32_copy(t: torch.Tensor, k_dim: int) -> torch.Tensor:
+    """t (1, R, C) rounded to tf32 (float32) into a fresh tensor whose unit-stride dim is
+    k_dim (1: rows, a's K; 0: columns, b's K): one pass, so the TMA kernel can feed the tensor
+    cores as they are (they truncate). Costs a read and a write of each operand (~15% of a
+    4096^3 GEMM), where the pointer kernel rounds every tile again on each use."""
+    R, C = t.shape[1:]
+    y = torch.empty((R, C) if k_dim == 1 else (C, R), device=t.device, dtype=torch.float32)
+    y = y if k_dim == 1 else y.t()
+    round_tf32_kernel[(triton.cdiv(R, 64), triton.cdiv(C, 64))](t[0], y, R, C, *t.stride()[1:], *y.stride(),
+                                                                 BLOCK_R=64, BLOCK_C=64)
+    return y.unsqueeze(0)
+
+
 def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
          activation: Optional[str], compute: str, out_dtype: torch.dtype, save_preact: bool,
          scale_a: Optional[torch.Tensor] = None, scale_b: Optional[torch.Tensor] = None, fast_accum: bool = False
@@ -220,6 +241,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residua
     scaled = compute == "fp8"
     if scaled:
         a, b = _k_major(a, b)
+    elif compute == "tf32" and a.shape[0] == b.shape[0] == 1 and _take_tma(a):
+        with on_device(a):
+            a, b = _tf32_copy(a, 1), _tf32_copy(b, 0)
     batch, M, K = a.shape
     N = b.shape[2]
     out = torch.empty(batch, M, N, dtype=out_dtype, device=a.device)
@@ -268,4 +292,4 @@ def _launch_tma(tma, out, pointers, residual, preact, M, N, K, compute, epilogue
     _launch(_tma_kernels(_OPERAND_BITS[compute]), signature, grid,
             (*descriptors, *pointers, M, N, K, *_strides(residual, out)[1:], *_strides(preact, out)[1:],
              scale_strides[1], scale_strides[3], triton.next_power_of_2(M), sms),
-            dict(COMPUTE=compute, **orders, **epilogue), set_block_shapes)
+            dict(COMPUTE=compute, PRECISION=_PRECISION[compute], **orders, **epilogue), set_block_shapes)

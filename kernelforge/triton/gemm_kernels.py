@@ -169,18 +169,21 @@ def gemm_tma_kernel(
     a_desc, b_desc, c_desc, BIAS, RES, PRE, SA, SB,
     M, N, K, srm, srn, spm, spn, ssam, ssbn, M_BUCKET, NUM_PROGRAMS,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    A_K_CONTIGUOUS: tl.constexpr, B_N_CONTIGUOUS: tl.constexpr, COMPUTE: tl.constexpr,
+    A_K_CONTIGUOUS: tl.constexpr, B_N_CONTIGUOUS: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
     ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SAVE_PREACT: tl.constexpr,
     PRECISE: tl.constexpr, BF16_OUT: tl.constexpr, SCALED: tl.constexpr, FP8_PRECISE: tl.constexpr,
 ):
-    """One matrix (batch 1) of 16-bit or e4m3 operands, through Hopper's tensor memory accelerator:
+    """One matrix (batch 1) of 16-bit, e4m3 or tf32-rounded float32 operands, through Hopper's
+    tensor memory accelerator:
     a, b and the output move by TMA descriptors built on the host, whose block shapes the
     autotuner's pre-hook sets per config. The copy engine computes addresses and zero-fills
     what lies past M, N or K, so the K loop has no masks and no address math; each operand
     may be stored either way round (A_K_CONTIGUOUS: a is (M, K) row-major, else its
     transpose is; B_N_CONTIGUOUS: b is (K, N) row-major, else b^T is, as a Linear weight).
-    COMPUTE (fp16 / bf16 / fp8) is the operands' own dtype here; it only keys the autotuner
-    (fp8 operands come K-major, as Hopper's fp8 tensor-core instruction reads both).
+    COMPUTE (fp16 / bf16 / fp8 / tf32) is the operands' own dtype here; it only keys the
+    autotuner (fp8 and tf32 operands come K-major, as Hopper's tensor-core instruction reads
+    both for them; tf32 ones are rounded beforehand by round_tf32_kernel, the tensor cores
+    would truncate them).
     Same work and bytes as gemm_kernel; 0.94-1.04x cuBLAS where gemm_kernel gives 0.91-1.0x
     on an H200 (benchmarks/gemm_sweep.py)."""
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -203,7 +206,8 @@ def gemm_tma_kernel(
                 b = b_desc.load([ki * BLOCK_K, pid_n * BLOCK_N])
             else:
                 b = b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K]).T
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=_promote_every(BLOCK_K) if FP8_PRECISE else None)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION,
+                         max_num_imprecise_acc=_promote_every(BLOCK_K) if FP8_PRECISE else None)
         tile_c += NUM_PROGRAMS
         _, pid_m, pid_n = _tile_coordinates(tile_c, tiles_m, tiles_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -213,3 +217,15 @@ def gemm_tma_kernel(
         z, _ = _epilogue(acc, offs_m, offs_n, M, N, BIAS, RES, PRE, srm, srn, spm, spn,
                          ACTIVATION, HAS_BIAS, HAS_RESIDUAL, SAVE_PREACT, PRECISE, BF16_OUT)
         c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], z.to(c_desc.dtype))
+
+
+@triton.jit
+def round_tf32_kernel(X, Y, R, C, sxr, sxc, syr, syc, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Y = X rounded to tf32 (nearest, ties away, as _operand), in float32, into Y's strides:
+    the TMA kernel's float32 operands in the K-major order its tensor-core instruction reads.
+    Bytes: X once, 4 bytes per element written; no FLOPs to speak of."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    inside = (r[:, None] < R) & (c[None, :] < C)
+    x = tl.load(X + r[:, None].to(tl.int64) * sxr + c[None, :].to(tl.int64) * sxc, mask=inside)
+    tl.store(Y + r[:, None].to(tl.int64) * syr + c[None, :].to(tl.int64) * syc, _operand(x, "tf32"), mask=inside)

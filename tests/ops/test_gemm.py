@@ -203,6 +203,37 @@ def test_both_triton_kernels_on_every_layout(backend, device, use_tma, monkeypat
     assert not launches
 
 
+@pytest.mark.parametrize("backend,device", backend_cases(("triton",)))
+@pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointers"])
+def test_tf32_on_both_triton_kernels(backend, device, use_tma, monkeypatch):
+    # tf32 through TMA: a separate pass rounds the float32 operands into K-major copies, the
+    # tensor cores take them as they are. Forced each way, gradients included (the backward's
+    # GEMMs take the transposed operands through the same path).
+    from kernelforge.triton import gemm as triton_gemm
+
+    copies = []
+    tf32_copy = triton_gemm._tf32_copy
+
+    def counted(t, k_dim):
+        copies.append(k_dim)
+        return tf32_copy(t, k_dim)
+
+    monkeypatch.setattr(triton_gemm, "USE_TMA", use_tma)
+    monkeypatch.setattr(triton_gemm, "_tf32_copy", counted)
+    M, K, N = 70, 40, 56
+    weight = torch.randn(N, K, device=device) / K ** 0.5
+
+    def yardstick(x, w, bias_, activation, residual):
+        xr, wr = reference.operands(x, w, "tf32")
+        return torch_gemm(xr, wr, bias_, activation, residual)
+
+    for label, (a, b) in {"a rows, b = Linear weight^T": (torch.randn(M, K, device=device), weight.t()),
+                          "a^T, b rows": (torch.randn(K, M, device=device).t(), weight.t().contiguous())}.items():
+        check(backend, device, torch.float32, a, b, torch.randn(N, device=device), "gelu_tanh",
+              torch.randn(M, N, device=device), precision="tf32", yardstick=yardstick, what=f"{label} tma={use_tma}")
+    assert bool(copies) == use_tma
+
+
 @pytest.mark.parametrize("backend,device", backend_cases(("reference", "triton")))
 def test_precision_modes(backend, device):
     # float32 inputs computed at 16 bits, float16 inputs at float32: the yardstick is PyTorch
