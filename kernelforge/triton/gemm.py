@@ -205,6 +205,18 @@ def _take_tma(a: torch.Tensor) -> bool:
     return a.shape[1] >= _TMA_MIN_ROWS
 
 
+# tf32 through TMA pays two rounding passes (launches and bytes) up front. H200, gemm_tf32
+# suite (gemm/cee7381/): 4096^3 0.47x -> 0.73x cuBLAS and 8192^3 0.56x -> 0.89x with it, but
+# 1024^3 0.32x -> 0.12x and 2048^3 0.48x -> 0.33x: only products above 2048^3 take it.
+_TF32_TMA_MIN_WORK = 2048 ** 3
+
+
+def _take_tf32_tma(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if USE_TMA is not None or not _take_tma(a):
+        return _take_tma(a)
+    return a.shape[1] * a.shape[2] * b.shape[2] > _TF32_TMA_MIN_WORK
+
+
 def _strides(t: Optional[torch.Tensor], fallback: torch.Tensor):
     return tuple((t if t is not None else fallback).stride())
 
@@ -241,7 +253,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residua
     scaled = compute == "fp8"
     if scaled:
         a, b = _k_major(a, b)
-    elif compute == "tf32" and a.shape[0] == b.shape[0] == 1 and _take_tma(a):
+    elif compute == "tf32" and a.shape[0] == b.shape[0] == 1 and _take_tf32_tma(a, b):
         with on_device(a):
             a, b = _tf32_copy(a, 1), _tf32_copy(b, 0)
     batch, M, K = a.shape
