@@ -30,8 +30,8 @@ def cuda_include() -> Path | None:
 
 
 def build_emulator(tmp_path_factory, driver_dir: Path) -> Path:
-    """The executable of driver_dir/emulate.cpp over a copy of the extension sources with the
-    emulated instructions (skips the test where no C++20 compiler or CUDA headers exist)."""
+    """The executable of driver_dir/emulate.cpp (with emu_driver.h, next to driver_dir) over a
+    copy of the extension sources with the emulated instructions (skips the test where no C++20 compiler or CUDA headers exist)."""
     cxx, include = shutil.which("g++") or shutil.which("c++"), cuda_include()
     if cxx is None or include is None:
         pytest.skip("the kernel emulation needs a C++20 compiler and the CUDA headers (cuda_bf16.h)")
@@ -41,7 +41,8 @@ def build_emulator(tmp_path_factory, driver_dir: Path) -> Path:
     shutil.copy(MMA_EMULATION, src / "attention_mma.cuh")  # the emulated instructions
     exe = work / "emulate"
     result = subprocess.run(
-        [cxx, "-std=c++20", "-O2", "-fno-strict-aliasing", f"-I{src}", f"-I{include}", str(driver_dir / "emulate.cpp"),
+        [cxx, "-std=c++20", "-O2", "-fno-strict-aliasing", f"-I{src}", f"-I{include}", f"-I{driver_dir.parent}",
+         str(driver_dir / "emulate.cpp"),
          "-o", str(exe)], capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr
     return exe

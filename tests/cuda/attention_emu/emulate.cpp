@@ -12,6 +12,7 @@
 // output: out (batch, heads, q_len, head_dim) as 2-byte elements, then lse (batch, heads,
 // q_len) as float32. Exit status 3 with a message on stderr when a check fails.
 #include "attention_kernel.cuh"
+#include "emu_driver.h"
 
 #include <cstdio>
 #include <cstring>
@@ -43,24 +44,7 @@ void run_for_dim(const AttentionForwardArgs& a) {
   }
 }
 
-// 16-byte aligned storage with guard bytes after it.
-struct Buffer {
-  static constexpr size_t kGuard = 64;
-  std::vector<unsigned char> bytes;
-  size_t size = 0;
-  unsigned char* data() {
-    return reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(bytes.data()) + 15) / 16 * 16);
-  }
-  void allocate(size_t n, unsigned char fill) {
-    size = n;
-    bytes.assign(n + kGuard + 16, fill);
-  }
-  bool guard_intact(unsigned char fill) {
-    for (size_t i = 0; i < kGuard; ++i)
-      if (data()[size + i] != fill) return false;
-    return true;
-  }
-};
+using kf_emu_driver::Buffer;
 
 }  // namespace
 
@@ -75,9 +59,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: %s <input> <output> <eager|lazy> <rr|low|high>\n", argv[0]);
     return 2;
   }
+  kf_emu_driver::set_schedule(argv[3], argv[4]);
   kf_emu::State& s = kf_emu::st();
-  s.lazy = std::string(argv[3]) == "lazy";
-  s.order = std::string(argv[4]) == "low" ? 1 : std::string(argv[4]) == "high" ? 2 : 0;
 
   std::FILE* in = std::fopen(argv[1], "rb");
   if (!in) return 2;

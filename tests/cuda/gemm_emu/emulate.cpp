@@ -18,6 +18,7 @@
 // output: out, then preact when asked for (dense (batch, M, N) of the out dtype). Exit
 // status 3 with a message on stderr when a check fails.
 #include "gemm_kernel.cuh"
+#include "emu_driver.h"
 
 #include <cstdio>
 #include <cstring>
@@ -50,24 +51,7 @@ void run_for_layout(const GemmArgs& a, int64_t max_rows, int64_t max_ctas) {
   }
 }
 
-// 16-byte aligned storage with guard bytes after it.
-struct Buffer {
-  static constexpr size_t kGuard = 64;
-  std::vector<unsigned char> bytes;
-  size_t size = 0;
-  unsigned char* data() {
-    return reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(bytes.data()) + 15) / 16 * 16);
-  }
-  void allocate(size_t n, unsigned char fill) {
-    size = n;
-    bytes.assign(n + kGuard + 16, fill);
-  }
-  bool guard_intact(unsigned char fill) {
-    for (size_t i = 0; i < kGuard; ++i)
-      if (data()[size + i] != fill) return false;
-    return true;
-  }
-};
+using kf_emu_driver::Buffer;
 
 size_t element_bytes(int64_t code) { return code == 0 ? 4 : 2; }
 
@@ -105,9 +89,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: %s <input> <output> <eager|lazy> <rr|low|high>\n", argv[0]);
     return 2;
   }
+  kf_emu_driver::set_schedule(argv[3], argv[4]);
   kf_emu::State& s = kf_emu::st();
-  s.lazy = std::string(argv[3]) == "lazy";
-  s.order = std::string(argv[4]) == "low" ? 1 : std::string(argv[4]) == "high" ? 2 : 0;
 
   std::FILE* in = std::fopen(argv[1], "rb");
   if (!in) return 2;
