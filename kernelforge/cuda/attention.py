@@ -11,13 +11,12 @@ key gets out = 0 and lse = -inf.
 """
 from __future__ import annotations
 
-import functools
 from types import ModuleType
 from typing import Optional
 
 import torch
 
-from kernelforge.cuda.compiler import get_cuda_compiler
+from kernelforge.cuda.compiler import device_limits, get_cuda_compiler
 
 HEAD_DIMS = (32, 64, 96, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -30,12 +29,6 @@ SMEM_BYTES = {32: 30720, 64: 36864, 96: 53248, 128: 69632, 256: 135168}
 
 def _extension() -> ModuleType:
     return get_cuda_compiler().load("attention")
-
-
-@functools.lru_cache(maxsize=None)
-def _device_limits(index: int) -> tuple[tuple[int, int], int]:
-    props = torch.cuda.get_device_properties(index)
-    return (props.major, props.minor), int(getattr(props, "shared_memory_per_block_optin", 0))
 
 
 def why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:
@@ -71,8 +64,7 @@ def why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:
         return f"the CUDA extension runs on CUDA tensors, got q on {q.device}"
     if k.device != q.device or v.device != q.device:
         return f"the CUDA flash attention takes q, k and v on one device, got {q.device}, {k.device} and {v.device}"
-    capability, smem_optin = _device_limits(q.device.index if q.device.index is not None
-                                            else torch.cuda.current_device())
+    capability, smem_optin = device_limits(q.device)
     if capability < (8, 0):
         return (f"the CUDA flash attention needs compute capability 8.0 or newer (mma.sync), got "
                 f"{capability[0]}.{capability[1]}")

@@ -48,6 +48,18 @@ EXTENSIONS: dict[str, Extension] = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def _limits_of(index: int) -> tuple[tuple[int, int], int]:
+    props = torch.cuda.get_device_properties(index)
+    return (props.major, props.minor), int(getattr(props, "shared_memory_per_block_optin", 0))
+
+
+def device_limits(device: torch.device) -> tuple[tuple[int, int], int]:
+    """(compute capability, shared memory a block may opt into, 0 if unknown) of a CUDA device,
+    cached: the launchers' support checks ask on every call."""
+    return _limits_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
 class CUDABuildError(RuntimeError):
     """An extension failed to build; the message carries the compiler's output."""
 

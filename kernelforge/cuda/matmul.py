@@ -21,14 +21,13 @@ leaves the package's `kernelforge.cuda.gemm` function alone.
 """
 from __future__ import annotations
 
-import functools
 import math
 import types
 from typing import Optional
 
 import torch
 
-from kernelforge.cuda.compiler import get_cuda_compiler
+from kernelforge.cuda.compiler import device_limits, get_cuda_compiler
 
 COMPUTE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Codes of the binding (csrc/gemm_cuda.h's Activation; 3 = float64 out, computed as float32).
@@ -42,12 +41,6 @@ SMEM_BYTES = 81920
 
 def _extension() -> types.ModuleType:
     return get_cuda_compiler().load("gemm")
-
-
-@functools.lru_cache(maxsize=None)
-def _device_limits(index: int) -> tuple[tuple[int, int], int]:
-    props = torch.cuda.get_device_properties(index)
-    return (props.major, props.minor), int(getattr(props, "shared_memory_per_block_optin", 0))
 
 
 def why_not(a: torch.Tensor, b: torch.Tensor, compute: str = "fp32") -> Optional[str]:
@@ -66,8 +59,7 @@ def why_not(a: torch.Tensor, b: torch.Tensor, compute: str = "fp32") -> Optional
         return f"the CUDA extension runs on CUDA tensors, got a on {a.device}"
     if b.device != a.device:
         return f"the CUDA GEMM takes a and b on one device, got {a.device} and {b.device}"
-    capability, smem_optin = _device_limits(a.device.index if a.device.index is not None
-                                            else torch.cuda.current_device())
+    capability, smem_optin = device_limits(a.device)
     if capability < (8, 0):
         return (f"the CUDA GEMM needs compute capability 8.0 or newer (mma.sync, ldmatrix, cp.async), got "
                 f"{capability[0]}.{capability[1]}")
