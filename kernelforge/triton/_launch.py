@@ -1,5 +1,6 @@
-"""Launch helpers shared by the Triton op modules: warps per program, the device guard,
-the SM count that sizes persistent grids, and the device's compute capability."""
+"""Launch helpers shared by the Triton op modules: the launch itself (`launch`), warps per
+program, the device guard, the SM count that sizes persistent grids, and the device's compute
+capability."""
 from __future__ import annotations
 
 import functools
@@ -57,3 +58,78 @@ class on_device:
     def __exit__(self, *exc):
         if self.guard is not None:
             self.guard.__exit__(*exc)
+
+
+# ----------------------------------------------------------------------------- launch
+class _NotDirect(Exception):
+    """An argument whose specialization `_spec` does not know: launch through Triton."""
+
+
+def _spec(arg):
+    """What Triton specializes a kernel on for one non-constexpr argument, or finer: an int's
+    == 1 (a constant), % 16 == 0 and width class; a tensor's dtype and 16-byte alignment; a
+    float's or bool's type; a host TMA descriptor's dtype, block shape and padding. Anything
+    else is not keyed here."""
+    if type(arg) is int:
+        return arg == 1, arg % 16 == 0, -0x80000000 <= arg <= 0x7FFFFFFF, arg > 0x7FFFFFFFFFFFFFFF
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if arg is None or type(arg) is float or type(arg) is bool:
+        return type(arg)
+    if type(arg).__name__ == "TensorDescriptor" and isinstance(getattr(arg, "base", None), torch.Tensor):
+        return "tensordesc", arg.base.dtype, tuple(arg.block_shape), arg.padding
+    raise _NotDirect
+
+
+# (kernel, device, keyword arguments, _spec of each positional argument) -> (the compiled
+# kernel's launcher, its CUfunction, packed metadata, the values of the parameters after the
+# positional ones, in signature order)
+_COMPILED: dict = {}
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """kernel[grid](*args, **kwargs) on the current CUDA stream, at a fraction of the host cost.
+
+    Triton's JITFunction.run binds and specializes every argument, reads its environment knobs
+    and looks the kernel up on every call: 14 us for a kernel of 31 arguments against 6 us for
+    the compiled launcher alone, and 27 us for the GEMM kernel (H200 host; measured by
+    benchmarks/host_timeline.py). Here the first call at a specialization goes through Triton
+    (compiling if needed); later calls with the same keyword arguments and the same
+    specialization of every positional argument (`_spec`, which separates at least whatever
+    Triton separates) call the compiled launcher directly, as Inductor's generated launchers
+    do. Triton's path is kept for the interpreter, for arguments `_spec` does not know, and
+    while launch hooks (a profiler's) are installed. Keyword arguments must be hashable."""
+    jit_function, runtime = _triton_runtime()
+    if type(kernel) is not jit_function or runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls:
+        kernel[grid](*args, **kwargs)
+        return
+    device = torch.cuda.current_device()
+    try:
+        key = (kernel, device, tuple(kwargs.items()), tuple(map(_spec, args)))
+        entry = _COMPILED.get(key)
+    except (_NotDirect, TypeError):  # TypeError: an unhashable keyword value
+        kernel[grid](*args, **kwargs)
+        return
+    if entry is None:
+        if any(p.is_constexpr for p in kernel.params[:len(args)]):
+            raise TypeError(f"launch({kernel.fn.__name__}): pass constexpr parameters by keyword (a positional "
+                            "one would be keyed by its specialization, not its value)")
+        compiled = kernel[grid](*args, **kwargs)
+        if hasattr(compiled, "result"):  # Triton's asynchronous compile mode
+            compiled = compiled.result()
+        tail = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in kernel.params[len(args):])
+        _COMPILED[key] = (compiled.run, compiled.function, compiled.packed_metadata, tail)
+        return
+    run, function, metadata, tail = entry
+    grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
+    run(grid_x, grid_y, grid_z, torch._C._cuda_getCurrentRawStream(device), function, metadata, None, None, None,
+        *args, *tail)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_runtime():
+    """(Triton's JITFunction class, its runtime knobs). Under TRITON_INTERPRET=1 kernels are
+    InterpretedFunctions, which take Triton's path."""
+    from triton import knobs
+    from triton.runtime.jit import JITFunction
+    return JITFunction, knobs.runtime

@@ -54,7 +54,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernelforge.triton import interpreter_enabled
-from kernelforge.triton._launch import on_device, sm_count
+from kernelforge.triton._launch import launch, on_device, sm_count
 
 SQRT1_2 = tl.constexpr(0.7071067811865476)
 INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
@@ -299,7 +299,8 @@ def act_forward_rows(
     cfg = config or default_config(n_rows, n_cols)
     row_tiles, col_blocks = cfg.grid_shape(n_rows, n_cols)
     with on_device(x2d):
-        _act_fwd_kernel[(row_tiles * col_blocks,)](
+        launch(
+            _act_fwd_kernel, (row_tiles * col_blocks,),
             x_view, bias if bias is not None else x_view, y_view, n_rows, n_cols,
             x_view.stride(0), y_view.stride(0), col_blocks,
             KIND=kind, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -331,7 +332,8 @@ def act_backward_rows(
         row_programs = max(1, min(row_tiles, wanted))
     partial = torch.empty((row_programs, n_cols), dtype=torch.float32, device=x2d.device) if bias_grad else None
     with on_device(x2d):
-        _act_bwd_kernel[(row_programs * col_blocks,)](
+        launch(
+            _act_bwd_kernel, (row_programs * col_blocks,),
             g_view, x_view, bias if bias is not None else x_view, dx_view,
             partial if bias_grad else dx_view, n_rows, n_cols,
             g_view.stride(0), x_view.stride(0), dx_view.stride(0), col_blocks, row_programs,
@@ -357,7 +359,8 @@ def glu_forward_rows(
     cfg = config or default_config(n_rows, n_cols)
     row_tiles, col_blocks = cfg.grid_shape(n_rows, n_cols)
     with on_device(gate2d):
-        _glu_fwd_kernel[(row_tiles * col_blocks,)](
+        launch(
+            _glu_fwd_kernel, (row_tiles * col_blocks,),
             gate_view, up_view, y_view, n_rows, n_cols,
             gate_view.stride(0), up_view.stride(0), y_view.stride(0), col_blocks,
             KIND=kind, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISE=not interpreter_enabled(),
@@ -386,7 +389,8 @@ def glu_backward_rows(
     cfg = config or default_config(n_rows, n_cols)
     row_tiles, col_blocks = cfg.grid_shape(n_rows, n_cols)
     with on_device(gate2d):
-        _glu_bwd_kernel[(row_tiles * col_blocks,)](
+        launch(
+            _glu_bwd_kernel, (row_tiles * col_blocks,),
             g_view, gate_view, up_view, dgate_view, dup_view, n_rows, n_cols,
             g_view.stride(0), gate_view.stride(0), up_view.stride(0), dgate_view.stride(0),
             dup_view.stride(0), col_blocks,

@@ -16,7 +16,7 @@ import triton
 
 from kernelforge.reference.attention import Visibility
 from kernelforge.triton import attention_decode, interpreter_enabled
-from kernelforge.triton._launch import on_device
+from kernelforge.triton._launch import launch, on_device
 from kernelforge.triton.attention_kernels import (backward_delta_kernel, flash_backward_dkdv_kernel,
                                                   flash_backward_dq_kernel, flash_forward_kernel)
 
@@ -166,7 +166,8 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     left, right, has_left, has_right = _band(vis)
     grid = (triton.cdiv(Sq, cfg.block_m), B * H)
     with on_device(q):
-        flash_forward_kernel[grid](
+        launch(
+            flash_forward_kernel, grid,
             q, k, v, out, lse, mask, counts, full, blocks, partial, bits,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
             *mstr, scb, sch, sbb, sbh,
@@ -200,18 +201,21 @@ def flash_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     with on_device(q):
         delta_rows = 64
-        backward_delta_kernel[(triton.cdiv(Sq, delta_rows), B * H)](
+        launch(
+            backward_delta_kernel, (triton.cdiv(Sq, delta_rows), B * H),
             out, grad_out, delta, *out.stride()[:3], *grad_out.stride()[:3], H, Sq,
             HEAD_DIM_V=Dv, BLOCK_M=delta_rows, BLOCK_DV=_pow2(Dv))
         counts, full, blocks, partial, bits, scb, sch, sbb, sbh, nqb, mb_q, mb_k = _block_args(q, vis, True)
-        flash_backward_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
+        launch(
+            flash_backward_dkdv_kernel, (triton.cdiv(Sk, cfg.block_n), B * Hkv),
             q, k, v, grad_out, lse, delta, dk, dv, mask, counts, full, blocks, partial, bits,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
             *dk.stride()[:3], *dv.stride()[:3], *mstr, scb, sch, sbb, sbh,
             H, Hkv, H // Hkv, Sq, Sk, Sk - Sq, left, right, scale * LOG2E, scale, nqb,
             MB_Q=mb_q, MB_K=mb_k, **common)
         counts, full, blocks, partial, bits, scb, sch, sbb, sbh, nkb, mb_q, mb_k = _block_args(q, vis, False)
-        flash_backward_dq_kernel[(triton.cdiv(Sq, cfg.block_m), B * H)](
+        launch(
+            flash_backward_dq_kernel, (triton.cdiv(Sq, cfg.block_m), B * H),
             q, k, v, grad_out, lse, delta, dq, mask, counts, full, blocks, partial, bits,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], *dq.stride()[:3],
             *mstr, scb, sch, sbb, sbh,

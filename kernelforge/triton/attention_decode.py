@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernelforge.reference.attention import Visibility
-from kernelforge.triton._launch import on_device, sm_count
+from kernelforge.triton._launch import launch, on_device, sm_count
 from kernelforge.triton.attention_kernels import LN2, _finish_rows, _forward_tile
 
 MAX_ROWS = 64  # GROUP * Sq rows of one tile; beyond this the query-tiled forward is as good
@@ -126,16 +126,19 @@ def decode_forward(q, k, v, scale: float, vis: Visibility, mask_args, band, prec
     lse_part = torch.empty(splits, B, H, Sq, dtype=torch.float32, device=q.device)
     out = torch.empty(B, H, Sq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    rows = B * H * Sq
+    merge_args = (o_part, lse_part, out, lse, rows, splits, *out.stride()[:3], H, Sq)
+    merge_meta = dict(HEAD_DIM_V=Dv, BLOCK_DV=pow2(Dv), BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4)
+    # Everything for both launches is ready before the first: the merge is queued right
+    # behind the split kernel (6.6 us at B1 H32/8 Sk4096), not after more host work.
     with on_device(q):
-        decode_split_kernel[(splits, programs)](
+        launch(
+            decode_split_kernel, (splits, programs),
             q, k, v, o_part, lse_part, mask,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *mstr,
             H, Hkv, group, Sq, Sk, Sk - Sq, left, right, scale * log2e, keys_per_split,
             HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv), ROWS=pow2(group * Sq),
             BLOCK_N=BLOCK_N, HAS_LEFT=has_left, HAS_RIGHT=has_right, MASK_KIND=mask_kind, PRECISION=precision,
             num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-        rows = B * H * Sq
-        decode_merge_kernel[(rows,)](
-            o_part, lse_part, out, lse, rows, splits, *out.stride()[:3], H, Sq,
-            HEAD_DIM_V=Dv, BLOCK_DV=pow2(Dv), BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4)
+        launch(decode_merge_kernel, (rows,), *merge_args, **merge_meta)
     return out, lse

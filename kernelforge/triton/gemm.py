@@ -23,7 +23,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernelforge.triton import interpreter_enabled
-from kernelforge.triton._launch import device_capability, on_device, sm_count
+from kernelforge.triton._launch import device_capability, launch, on_device, sm_count
 from kernelforge.triton.gemm_kernels import gemm_kernel, gemm_tma_kernel, round_tf32_kernel
 
 USE_TMA: Optional[bool] = None
@@ -129,16 +129,18 @@ def _tma_kernels(operand_bits: int):
 
 # The autotuner's pick per call signature. Triton's Autotuner rebuilds a dict of all ~30
 # arguments and its cache key on every call (25 us a call under cProfile); after the first
-# call at a signature, the kernel launches at the chosen config directly. The wall time per
-# call did not move measurably with it (94 us before and after at 16x4096x4096: Triton's
-# launcher, ~60 us, dominates; benchmarks/results/nvidia-h200/gemm/bbf826c/).
+# call at a signature, the kernel launches at the chosen config directly, through
+# kernelforge.triton._launch.launch (Triton's own launch path cost 27 us of a 76 us kf.gemm
+# call at 16x4096x4096 on the H200 host: benchmarks/host_timeline.py).
 _CHOSEN: dict = {}
 
 
-def _launch(kernels, signature, grid, args, kwargs, set_block_shapes=None):
+def _launch(kernels, signature, grid, args, kwargs, set_block_shapes=None, heuristics=None):
     """Launch a (tuner, plain) pair at the config tuned for `signature` (every argument the
-    tuner's key and its dtype list hold, and more), tuning on its first call. Under the
-    interpreter: the one small config."""
+    tuner's key and its dtype list hold, and more), tuning on its first call; later calls
+    launch the kernel itself at that config through kernelforge.triton._launch.launch, with
+    `heuristics(config kwargs)` giving the constexprs a triton.heuristics wrapper would.
+    Under the interpreter: the one small config."""
     tuner, plain = kernels
     if tuner is None:
         if set_block_shapes is not None:
@@ -152,7 +154,9 @@ def _launch(kernels, signature, grid, args, kwargs, set_block_shapes=None):
         return
     if set_block_shapes is not None:
         set_block_shapes(config.kwargs)
-    plain[grid](*args, **kwargs, **config.all_kwargs())
+    kernel = plain.fn if heuristics is not None else plain
+    extra = heuristics(config.kwargs) if heuristics is not None else {}
+    launch(kernel, grid(config.kwargs), *args, **kwargs, **extra, **config.all_kwargs())
 
 
 def _tma_descriptor(t: torch.Tensor, unit_dim: int) -> Optional[TensorDescriptor]:
@@ -241,8 +245,8 @@ def _tf32_copy(t: torch.Tensor, k_dim: int) -> torch.Tensor:
     R, C = t.shape[1:]
     y = torch.empty((R, C) if k_dim == 1 else (C, R), device=t.device, dtype=torch.float32)
     y = y if k_dim == 1 else y.t()
-    round_tf32_kernel[(triton.cdiv(R, 64), triton.cdiv(C, 64))](t[0], y, R, C, *t.stride()[1:], *y.stride(),
-                                                                 BLOCK_R=64, BLOCK_C=64)
+    launch(round_tf32_kernel, (triton.cdiv(R, 64), triton.cdiv(C, 64)), t[0], y, R, C, *t.stride()[1:], *y.stride(),
+           BLOCK_R=64, BLOCK_C=64)
     return y.unsqueeze(0)
 
 
@@ -287,7 +291,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residua
         _launch(_pointer_kernels(_OPERAND_BITS[compute]), signature, grid,
                 (a, b, out, *pointers, M, N, K, *a.stride(), *b.stride(), *out.stride(), *_strides(residual, out),
                  *_strides(preact, out), *scale_strides, batch, triton.next_power_of_2(M)),
-                dict(COMPUTE=compute, PRECISION=_PRECISION[compute], **epilogue))
+                dict(COMPUTE=compute, PRECISION=_PRECISION[compute], **epilogue),
+                heuristics=lambda config: {"EVEN_K": _even_k({"K": K, **config})})
     return out, preact
 
 

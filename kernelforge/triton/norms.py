@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernelforge.triton._launch import on_device, sm_count, warps_for
+from kernelforge.triton._launch import launch, on_device, sm_count, warps_for
 
 # Longest row one program holds in registers: as for softmax, 32768 float32 values over 32
 # warps; backward holds dy and h, so half.
@@ -366,11 +366,13 @@ def norm_forward_rows(x2d, residual2d, weight, bias, eps: float, rms: bool, offs
     res_row_stride = 0 if residual2d is None else residual2d.stride(0)
     with on_device(x2d):
         if cfg.fused:
-            _norm_fwd_fused_kernel[(triton.cdiv(n_rows, cfg.block_m),)](
+            launch(
+                _norm_fwd_fused_kernel, (triton.cdiv(n_rows, cfg.block_m),),
                 *operands, n_rows, n_cols, x2d.stride(0), res_row_stride, eps, offset,
                 BLOCK_M=cfg.block_m, **flags)
         else:
-            _norm_fwd_two_pass_kernel[(n_rows,)](
+            launch(
+                _norm_fwd_two_pass_kernel, (n_rows,),
                 *operands, n_cols, x2d.stride(0), res_row_stride, eps, offset, **flags)
     return y, residual_out, mean, rstd
 
@@ -412,22 +414,26 @@ def norm_backward_rows(grad_y2d, grad_residual2d, h2d, weight, bias_present: boo
                  num_warps=cfg.num_warps)
     with on_device(h2d):
         if cfg.fused:
-            _norm_bwd_fused_kernel[(programs,)](
+            launch(
+                _norm_bwd_fused_kernel, (programs,),
                 *loads, _or(grad_residual2d, dh), dh, dw_part, db_part, n_rows, n_cols, *strides,
                 dres_row_stride, offset, tiles_per_program, **flags)
         else:
             dots = torch.empty((n_rows, 2), dtype=torch.float32, device=device)
-            _norm_bwd_row_dots_kernel[(n_rows,)](
+            launch(
+                _norm_bwd_row_dots_kernel, (n_rows,),
                 *loads, dots, n_cols, *strides, offset, RMS=rms, HAS_WEIGHT=weight is not None,
                 BLOCK_N=CHUNK_COLS, num_warps=CHUNK_WARPS)
-            _norm_bwd_chunked_kernel[(triton.cdiv(n_cols, cfg.block_n), programs)](
+            launch(
+                _norm_bwd_chunked_kernel, (triton.cdiv(n_cols, cfg.block_n), programs),
                 *loads, dots, _or(grad_residual2d, dh), dh, dw_part, db_part, n_rows, n_cols, *strides,
                 dres_row_stride, offset, rows_per_group, **flags)
     grad_weight = torch.empty(n_cols, dtype=weight.dtype, device=device) if weight_grad else None
     grad_bias = torch.empty(n_cols, dtype=torch.float32, device=device) if bias_grad else None
     if weight_grad or bias_grad:
         with on_device(h2d):
-            _sum_partials_kernel[(triton.cdiv(n_cols, PARTIALS_BLOCK[1]),)](
+            launch(
+                _sum_partials_kernel, (triton.cdiv(n_cols, PARTIALS_BLOCK[1]),),
                 dw_part, db_part, _or(grad_weight, grad_bias), _or(grad_bias, grad_weight), programs, n_cols,
                 WEIGHT_GRAD=weight_grad, BIAS_GRAD=bias_grad, BLOCK_P=PARTIALS_BLOCK[0],
                 BLOCK_N=PARTIALS_BLOCK[1], num_warps=4)

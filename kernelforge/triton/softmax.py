@@ -29,7 +29,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernelforge.triton import interpreter_enabled
-from kernelforge.triton._launch import on_device, warps_for
+from kernelforge.triton._launch import launch, on_device, warps_for
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * log2(e)): exp2 is the SFU's native op
 LN2 = tl.constexpr(0.6931471805599453)
@@ -205,12 +205,14 @@ def softmax_forward_rows(x2d: torch.Tensor, log: bool, config: Optional[RowConfi
     precise = log and not interpreter_enabled()
     with on_device(x2d):
         if cfg.fused:
-            _softmax_fwd_fused_kernel[(triton.cdiv(n_rows, cfg.block_m),)](
+            launch(
+                _softmax_fwd_fused_kernel, (triton.cdiv(n_rows, cfg.block_m),),
                 x2d, y, n_rows, n_cols, x2d.stride(0), y.stride(0),
                 LOG=log, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISE=precise, num_warps=cfg.num_warps,
             )
         else:
-            _softmax_fwd_online_kernel[(n_rows,)](
+            launch(
+                _softmax_fwd_online_kernel, (n_rows,),
                 x2d, y, n_cols, x2d.stride(0), y.stride(0),
                 LOG=log, BLOCK_N=cfg.block_n, PRECISE=precise, num_warps=cfg.num_warps,
             )
@@ -229,13 +231,15 @@ def softmax_backward_rows(
     precise = log and not interpreter_enabled()
     with on_device(out2d):
         if cfg.fused:
-            _softmax_bwd_fused_kernel[(triton.cdiv(n_rows, cfg.block_m),)](
+            launch(
+                _softmax_bwd_fused_kernel, (triton.cdiv(n_rows, cfg.block_m),),
                 grad2d, out2d, dx, n_rows, n_cols, grad2d.stride(0), out2d.stride(0), dx.stride(0),
                 LOG=log, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISE=precise,
                 num_warps=cfg.num_warps,
             )
         else:
-            _softmax_bwd_two_pass_kernel[(n_rows,)](
+            launch(
+                _softmax_bwd_two_pass_kernel, (n_rows,),
                 grad2d, out2d, dx, n_cols, grad2d.stride(0), out2d.stride(0), dx.stride(0),
                 LOG=log, BLOCK_N=cfg.block_n, PRECISE=precise, num_warps=cfg.num_warps,
             )
