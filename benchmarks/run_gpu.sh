@@ -2,7 +2,8 @@
 # One device call: doctor, then the stages asked for, logs and results under $OUT.
 #   bash benchmarks/run_gpu.sh [build] [tests] [harness] [sweep] [overhead]   (default: build tests)
 #   build    compile every CUDA extension, in parallel, into .kfcache/ (kept on a warm machine)
-#   tests    the GPU suite (pytest -m gpu): op tests spread over 8 workers, then the timing tests alone
+#   tests    the GPU suite (pytest -m gpu): op tests spread test by test over 8 workers (one file,
+#            attention's, is 40% of the suite), then the timing tests alone
 #   focus    the GPU tests in $FOCUS_TESTS only (8 workers), e.g. FOCUS_TESTS="tests/ops/test_attention.py"
 #   attention-sweep  benchmarks/attention_sweep.py (tile sweep next to SDPA flash / cuDNN)
 #   window   benchmarks/window_experiment.py $WINDOW_ARGS (the sliding-window band walks, Flex)
@@ -37,7 +38,8 @@ for stage in $stages; do
       for job in $(jobs -p); do wait "$job"; status=$(( status | $? )); done
       tail -n 3 "$R"/build-*.log ;;
     tests)
-      timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 8 --dist loadfile --ignore tests/bench \
+      timeout "${TESTS_TIMEOUT:-500}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs -n 8 --dist load \
+        --durations=10 --ignore tests/bench \
         > "$R/gpu-tests.log" 2>&1
       status=$(( status | $? ))
       timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/bench > "$R/gpu-tests-timing.log" 2>&1

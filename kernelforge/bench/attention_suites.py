@@ -140,6 +140,36 @@ def _window_cost(shape, dtype: torch.dtype, direction: str) -> Cost:
 
 
 # ----------------------------------------------------------------------------- decode
+def _in_cuda_graph(fn):
+    """fn captured in a CUDA graph on its first call with given inputs, replayed after: the
+    cost of one decode step in a generation loop run under CUDA graphs (torch.compile's
+    mode="reduce-overhead", gpt-fast), where no host time is paid per call. One graph is kept,
+    with the inputs it reads."""
+    captured = {}
+
+    def run(*inputs):
+        if not isinstance(inputs[0], torch.Tensor) or inputs[0].device.type != "cuda":
+            raise _unavailable("CUDA graphs capture CUDA work only")
+        key = tuple(id(t) for t in inputs)
+        if key not in captured:
+            captured.clear()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up off the capture (compiles, autotunes)
+                for _ in range(2):
+                    fn(*inputs)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = fn(*inputs)
+            captured[key] = (graph, out, inputs)
+        graph, out, _ = captured[key]
+        graph.replay()
+        return out
+
+    return run
+
+
 def _decode_cost(shape, dtype: torch.dtype, direction: str) -> Cost:
     # memory-bound: the K and V caches read once (q read and o written: negligible but
     # counted); flops 4*B*H*Sq*Sk*D recorded, not held against a ceiling
@@ -195,8 +225,10 @@ def attention_suites() -> dict:
             make_inputs=lambda shape, dtype, device: _qkv(*shape, dtype, device),
             cost=_decode_cost,
             kernelforge=lambda q, k, v: kf.flash_attention(q, k, v),
+            variants=lambda: {"kernelforge (CUDA graph)": _in_cuda_graph(kf.flash_attention)},
             baselines=lambda: {"sdpa": _sdpa(None, "default"),
-                               "sdpa flash": _sdpa(SDPBackend.FLASH_ATTENTION, "flash", needs_cuda=True)},
+                               "sdpa flash": _sdpa(SDPBackend.FLASH_ATTENTION, "flash", needs_cuda=True),
+                               "sdpa (CUDA graph)": _in_cuda_graph(_sdpa(None, "default"))},
             directions=("fwd",),
             support_args=lambda inputs, direction: _support_args(inputs, direction, Visibility(None, None)),
             label=lambda shape: "B{} H{}/{} Sq{} Sk{} D{}".format(*shape),

@@ -12,6 +12,9 @@ ROW_COLUMNS = ("op", "shape", "dtype", "direction", "impl", "timing", "ms", "p20
 # The rows a "speedup" is measured against (the best of those present): PyTorch, and for
 # attention SDPA's backends (FlashAttention-2, cuDNN, its own choice) and FlexAttention.
 BASELINES = ("torch eager", "torch.compile", "sdpa flash", "sdpa cudnn", "sdpa", "flex attention")
+# A row run another way (replayed from a CUDA graph) is measured against the baselines run
+# the same way, named with the same suffix.
+WAYS = (" (CUDA graph)",)
 
 
 def write_results(result: dict, out_dir: Path | str, stem: str = "bench") -> list[Path]:
@@ -31,7 +34,9 @@ def write_results(result: dict, out_dir: Path | str, stem: str = "bench") -> lis
 
 
 def _best_baseline_ms(rows: list[dict], row: dict):
-    peers = [r["ms"] for r in rows if r["impl"] in BASELINES and "ms" in r
+    way = next((w for w in WAYS if row["impl"].endswith(w)), "")
+    names = {b + way for b in BASELINES}
+    peers = [r["ms"] for r in rows if r["impl"] in names and "ms" in r
              and all(r[k] == row[k] for k in ("op", "shape", "dtype", "direction"))]
     return min(peers) if peers else None
 
@@ -48,7 +53,8 @@ def markdown(result: dict) -> str:
         + (f"; matmul {rates}" if rates else "") + ".",
         "Median of many runs; cases whose largest input is under 1M elements back to back (per-call overhead "
         "counts), larger ones with an L2 flush before each run. Speedup is against the best of eager and "
-        "torch.compile (attention: of the SDPA backends, FlexAttention and eager).",
+        "torch.compile (attention: of the SDPA backends, FlexAttention and eager); a row replayed from a CUDA "
+        "graph against the baselines replayed the same way.",
     ]
     missing = {op: m for op, m in meta.get("missing_peers", {}).items() if m}
     if missing:

@@ -127,9 +127,10 @@ def _tma_kernels(operand_bits: int):
                            prune_configs_by={"early_config_prune": _prune})(gemm_tma_kernel), gemm_tma_kernel
 
 
-# The autotuner's pick per call signature. Triton's Autotuner rebuilds a dict of all ~30
-# arguments and its cache key on every call (25 us a call under cProfile); after the first
-# call at a signature, the kernel launches at the chosen config directly, through
+# Per call signature: the autotuner's pick as (config kwargs, the kernel to launch, every
+# keyword argument of its launch). Triton's Autotuner rebuilds a dict of all ~30 arguments and
+# its cache key on every call (25 us a call under cProfile); after the first call at a
+# signature, the kernel launches at the chosen config directly, through
 # kernelforge.triton._launch.launch (Triton's own launch path cost 27 us of a 76 us kf.gemm
 # call at 16x4096x4096 on the H200 host: benchmarks/host_timeline.py).
 _CHOSEN: dict = {}
@@ -147,16 +148,18 @@ def _launch(kernels, signature, grid, args, kwargs, set_block_shapes=None, heuri
             set_block_shapes(INTERPRETER_CONFIG)
         plain[grid](*args, **kwargs, **INTERPRETER_CONFIG)
         return
-    config = _CHOSEN.get(signature)
-    if config is None:
+    chosen = _CHOSEN.get(signature)
+    if chosen is None:
         tuner[grid](*args, **kwargs)
-        _CHOSEN[signature] = tuner.best_config
+        config = tuner.best_config
+        extra = heuristics(config.kwargs) if heuristics is not None else {}
+        _CHOSEN[signature] = (config.kwargs, plain.fn if heuristics is not None else plain,
+                              {**kwargs, **extra, **config.all_kwargs()})
         return
+    config_kwargs, kernel, launch_kwargs = chosen
     if set_block_shapes is not None:
-        set_block_shapes(config.kwargs)
-    kernel = plain.fn if heuristics is not None else plain
-    extra = heuristics(config.kwargs) if heuristics is not None else {}
-    launch(kernel, grid(config.kwargs), *args, **kwargs, **extra, **config.all_kwargs())
+        set_block_shapes(config_kwargs)
+    launch(kernel, grid(config_kwargs), *args, **launch_kwargs)
 
 
 def _tma_descriptor(t: torch.Tensor, unit_dim: int) -> Optional[TensorDescriptor]:

@@ -113,6 +113,18 @@ def test_compare_flags_only_regressions_beyond_noise(cpu_run):
     assert report.compare(result, noisy)[1] == []
 
 
+def test_speedup_compares_rows_run_the_same_way():
+    """An eager row against the eager baselines, a CUDA-graph row against the graph ones."""
+    case = dict(op="attention_decode", shape="B1", dtype="bf16", direction="fwd")
+    rows = [{**case, "impl": impl, "ms": ms} for impl, ms in (
+        ("kernelforge", 0.040), ("sdpa", 0.016), ("sdpa flash", 0.024),
+        ("kernelforge (CUDA graph)", 0.0098), ("sdpa (CUDA graph)", 0.0105), ("kernelforge[triton]", 0.039))]
+    best = {r["impl"]: report._best_baseline_ms(rows, r) for r in rows}
+    assert best["kernelforge"] == best["kernelforge[triton]"] == 0.016
+    assert best["kernelforge (CUDA graph)"] == 0.0105
+    assert report._best_baseline_ms([r for r in rows if r["impl"] != "sdpa (CUDA graph)"], rows[3]) is None
+
+
 def test_cli_bench_and_compare_end_to_end(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("KERNELFORGE_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "out"
