@@ -2,8 +2,8 @@
 # One device call: doctor, then the stages asked for, logs and results under $OUT.
 #   bash benchmarks/run_gpu.sh [build] [tests] [harness] [sweep] [overhead]   (default: build tests)
 #   build    compile every CUDA extension, in parallel, into .kfcache/ (kept on a warm machine)
-#   tests    the GPU suite (pytest -m gpu): op tests spread test by test over 8 workers (one file,
-#            attention's, is 40% of the suite), then the timing tests alone
+#   tests    the GPU suite (pytest -m gpu): op tests spread over 8 workers file by file (test by
+#            test, workers compile the same kernels at once: slower), then the timing tests alone
 #   focus    the GPU tests in $FOCUS_TESTS only (8 workers), e.g. FOCUS_TESTS="tests/ops/test_attention.py"
 #   attention-sweep  benchmarks/attention_sweep.py (tile sweep next to SDPA flash / cuDNN)
 #   window   benchmarks/window_experiment.py $WINDOW_ARGS (the sliding-window band walks, Flex)
@@ -26,7 +26,8 @@ mkdir -p "$R"
 stages=${*:-build tests}
 SWEEP_ARGS=${SWEEP_ARGS:-}
 status=0
-python3 -m kernelforge.cli doctor > "$R/doctor.log" 2>&1
+# DOCTOR=0 skips the doctor (it measures the ceilings: ~1 minute)
+[ "${DOCTOR:-1}" = 0 ] || python3 -m kernelforge.cli doctor > "$R/doctor.log" 2>&1
 for stage in $stages; do
   start=$SECONDS
   case $stage in
@@ -38,7 +39,7 @@ for stage in $stages; do
       for job in $(jobs -p); do wait "$job"; status=$(( status | $? )); done
       tail -n 3 "$R"/build-*.log ;;
     tests)
-      timeout "${TESTS_TIMEOUT:-500}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs -n 8 --dist load \
+      timeout "${TESTS_TIMEOUT:-500}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs -n 8 --dist loadfile \
         --durations=10 --ignore tests/bench \
         > "$R/gpu-tests.log" 2>&1
       status=$(( status | $? ))
