@@ -24,13 +24,11 @@ from kernelforge.triton.attention_kernels import LN2, _finish_rows, _forward_til
 MAX_ROWS = 64  # GROUP * Sq rows of one tile; beyond this the query-tiled forward is as good
 MIN_KEYS = 512  # shorter caches: one query-tiled program walks them quickly enough
 KEYS_PER_SPLIT = 256  # at least this many keys per program, so the merge stays cheap
-# Key ranges are cut while B * Hkv * splits stays within this many programs an SM (two fit at
-# once, and a memory-bound 4-warp program needs the company to keep enough loads in flight).
-# H200, benchmarks/decode_sweep.py and the attention_decode suite (results/nvidia-h200/
-# attention/decode-sweep/): rounding the split count up overfilled the SMs (B8 H32/32
-# Sk16384: 2 splits, 512 programs, 0.89x SDPA; 1 split, 256 programs: 0.99x), and one
-# program an SM leaves bandwidth unused (B8 H32/8 Sk65536: 2 splits 532 us, 3 splits 494).
-PROGRAMS_PER_SM = 2
+# Key ranges are cut while B * Hkv * splits stays within this many programs an SM. One, not two:
+# benchmarks/decode_sweep.py (H200, results/nvidia-h200/attention/decode-sweep/): B8 H32/32
+# Sk16384 0.89x -> 0.99x SDPA (256 programs need no split at all), B8 H32/8 Sk65536 0.93x ->
+# 0.97x; B1 H32/32 Sq4 Sk4096 3% slower (31.3 -> 32.2 us, still 1.7x SDPA).
+PROGRAMS_PER_SM = 1
 BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 3
@@ -126,8 +124,8 @@ def decode_forward(q, k, v, scale: float, vis: Visibility, mask_args, band, prec
     mask, mstr, mask_kind = mask_args
     left, right, has_left, has_right = band
     programs = B * Hkv
-    # at most PROGRAMS_PER_SM * SMs programs: more would leave a few SMs a program more than
-    # the rest (B1 H32/8 Sk65536 at one an SM: 17 splits, 136 programs, 92 us; 16 splits, 83 us)
+    # at most PROGRAMS_PER_SM * SMs programs: one more would run alone after the others
+    # (B1 H32/8 Sk65536: 17 splits, 136 programs, 92 us; 16 splits fill the 132 SMs once)
     splits = max(1, min(PROGRAMS_PER_SM * sm_count(q.device) // programs, triton.cdiv(Sk, KEYS_PER_SPLIT)))
     keys_per_split = triton.cdiv(triton.cdiv(Sk, splits), BLOCK_N) * BLOCK_N
     splits = triton.cdiv(Sk, keys_per_split)
