@@ -24,7 +24,7 @@ from kernelforge.triton.attention_kernels import LN2, _finish_rows, _forward_til
 MAX_ROWS = 64  # GROUP * Sq rows of one tile; beyond this the query-tiled forward is as good
 MIN_KEYS = 512  # shorter caches: one query-tiled program walks them quickly enough
 KEYS_PER_SPLIT = 256  # at least this many keys per program, so the merge stays cheap
-# Key ranges are cut while B * Hkv * splits stays within this many programs an SM. One, not two:
+# Key ranges are cut until B * Hkv * splits reaches this many programs an SM. One, not two:
 # benchmarks/decode_sweep.py (H200, results/nvidia-h200/attention/decode-sweep/): B8 H32/32
 # Sk16384 0.89x -> 0.99x SDPA (256 programs need no split at all), B8 H32/8 Sk65536 0.93x ->
 # 0.97x; B1 H32/32 Sq4 Sk4096 3% slower (31.3 -> 32.2 us, still 1.7x SDPA).
@@ -124,9 +124,7 @@ def decode_forward(q, k, v, scale: float, vis: Visibility, mask_args, band, prec
     mask, mstr, mask_kind = mask_args
     left, right, has_left, has_right = band
     programs = B * Hkv
-    # at most PROGRAMS_PER_SM * SMs programs: one more would run alone after the others
-    # (B1 H32/8 Sk65536: 17 splits, 136 programs, 92 us; 16 splits fill the 132 SMs once)
-    splits = max(1, min(PROGRAMS_PER_SM * sm_count(q.device) // programs, triton.cdiv(Sk, KEYS_PER_SPLIT)))
+    splits = max(1, min(triton.cdiv(PROGRAMS_PER_SM * sm_count(q.device), programs), triton.cdiv(Sk, KEYS_PER_SPLIT)))
     keys_per_split = triton.cdiv(triton.cdiv(Sk, splits), BLOCK_N) * BLOCK_N
     splits = triton.cdiv(Sk, keys_per_split)
     o_part = torch.empty(splits, B, H, Sq, Dv, dtype=torch.float32, device=q.device)
