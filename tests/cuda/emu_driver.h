@@ -1,10 +1,11 @@
 // What the emulator drivers (attention_emu/emulate.cpp, gemm_emu/emulate.cpp) share: guarded
-// buffers and the emulated schedule's command-line options. Included after the emulated
+// buffers, the emulated schedule's command-line options and the input file. Included after the emulated
 // instructions (attention_mma.cuh), whose kf_emu::State it sets.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -34,6 +35,17 @@ inline void set_schedule(const std::string& copies, const std::string& order) {
   kf_emu::State& s = kf_emu::st();
   s.lazy = copies == "lazy";
   s.order = order == "low" ? 1 : order == "high" ? 2 : 0;
+}
+
+// The driver's command line after any --smem query: <input> <output> <eager|lazy> <rr|low|high>.
+// Sets the schedule and returns the opened input, or nullptr (usage printed) on a bad line.
+inline std::FILE* open_input(int argc, char** argv) {
+  if (argc != 5) {
+    std::fprintf(stderr, "usage: %s <input> <output> <eager|lazy> <rr|low|high>\n", argv[0]);
+    return nullptr;
+  }
+  set_schedule(argv[3], argv[4]);
+  return std::fopen(argv[1], "rb");
 }
 
 }  // namespace kf_emu_driver

@@ -55,15 +55,9 @@ int main(int argc, char** argv) {
                 ka::TileFor<__half, 128>::type::kSmemBytes, ka::TileFor<__half, 256>::type::kSmemBytes);
     return 0;
   }
-  if (argc != 5) {
-    std::fprintf(stderr, "usage: %s <input> <output> <eager|lazy> <rr|low|high>\n", argv[0]);
-    return 2;
-  }
-  kf_emu_driver::set_schedule(argv[3], argv[4]);
-  kf_emu::State& s = kf_emu::st();
-
-  std::FILE* in = std::fopen(argv[1], "rb");
+  std::FILE* in = kf_emu_driver::open_input(argc, argv);
   if (!in) return 2;
+  kf_emu::State& s = kf_emu::st();
   int64_t h[32];
   double scale;
   if (std::fread(h, 8, 32, in) != 32 || std::fread(&scale, 8, 1, in) != 1) return 2;

@@ -85,15 +85,9 @@ int main(int argc, char** argv) {
     print_smem<8>();
     return 0;
   }
-  if (argc != 5) {
-    std::fprintf(stderr, "usage: %s <input> <output> <eager|lazy> <rr|low|high>\n", argv[0]);
-    return 2;
-  }
-  kf_emu_driver::set_schedule(argv[3], argv[4]);
-  kf_emu::State& s = kf_emu::st();
-
-  std::FILE* in = std::fopen(argv[1], "rb");
+  std::FILE* in = kf_emu_driver::open_input(argc, argv);
   if (!in) return 2;
+  kf_emu::State& s = kf_emu::st();
   int64_t h[40];
   if (std::fread(h, 8, 40, in) != 40) return 2;
   // Buffers: a, b, bias, residual (a missing one is empty).
