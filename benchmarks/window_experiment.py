@@ -11,7 +11,7 @@ kernelforge's current path and FlexAttention on the same window:
 - persistent: a grid of a few programs per SM walking the query tiles (optionally with
   tl.range(flatten=True), so the next tile's loads overlap this tile's tail).
 
-    python3 benchmarks/window_experiment.py [--s 8192] [--window 512] [--variants]
+    python3 benchmarks/window_experiment.py [--s 8192] [--window 512] [--variants [--tma]]
 
 Without --variants: the library's forward and backward with the one-loop band walk on and
 off (kernelforge.triton.attention.ONE_LOOP_WINDOW), next to Flex forward and forward+backward.
@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.testing import do_bench
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernelforge.reference.attention import Visibility
 from kernelforge.triton import attention as tri
@@ -36,7 +37,9 @@ LOG2E = 1.4426950408889634
 def band_forward_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
                         H, Sq, Sk, off, LEFT, RIGHT, qk_scale, num_tiles, tiles_m,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BRANCH: tl.constexpr, FLATTEN: tl.constexpr, STAGES: tl.constexpr):
+                        BRANCH: tl.constexpr, FLATTEN: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr):
+    """TMA: Q, K, V, O are 4-D TMA descriptors (block [1, 1, tile rows, HEAD_DIM]) instead of
+    pointers; key rows past Sk come back as zeros, so the loads need no mask."""
     offs_i = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -48,10 +51,14 @@ def band_forward_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh,
         h = pid_bh % H
         m0 = pid_m * BLOCK_M
         offs_m = m0 + offs_i
-        q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqm + offs_d[None, :],
-                    mask=offs_m[:, None] < Sq, other=0.0)
-        k_base = K + b.to(tl.int64) * skb + h.to(tl.int64) * skh
-        v_base = V + b.to(tl.int64) * svb + h.to(tl.int64) * svh
+        if TMA:
+            q = Q.load([b, h, m0, 0]).reshape(BLOCK_M, HEAD_DIM)
+            k_base, v_base = K, V
+        else:
+            q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqm + offs_d[None, :],
+                        mask=offs_m[:, None] < Sq, other=0.0)
+            k_base = K + b.to(tl.int64) * skb + h.to(tl.int64) * skh
+            v_base = V + b.to(tl.int64) * svb + h.to(tl.int64) * svh
         m_last = tl.minimum(m0 + BLOCK_M, Sq) - 1
         lo = tl.maximum(m0 + off - LEFT, 0) // BLOCK_N * BLOCK_N
         hi = tl.minimum(Sk, m_last + off + RIGHT + 1)
@@ -62,7 +69,10 @@ def band_forward_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh,
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         for n0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
             cols = n0 + offs_n
-            k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :], mask=cols[:, None] < Sk, other=0.0)
+            if TMA:
+                k = k_base.load([b, h, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
+            else:
+                k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :], mask=cols[:, None] < Sk, other=0.0)
             qk = tl.dot(q, tl.trans(k))
             if BRANCH:
                 if (n0 < full_lo) | (n0 >= full_hi):
@@ -77,7 +87,10 @@ def band_forward_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh,
             p = tl.math.exp2(qk * qk_scale - m_use[:, None])
             alpha = tl.math.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :], mask=cols[:, None] < Sk, other=0.0)
+            if TMA:
+                v = v_base.load([b, h, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
+            else:
+                v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :], mask=cols[:, None] < Sk, other=0.0)
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
             m_i = m_new
         seen = l_i > 0
@@ -85,11 +98,18 @@ def band_forward_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh,
         out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
         tl.store(LSE + pid_bh.to(tl.int64) * Sq + offs_m, tl.where(seen, m_i + tl.math.log2(l_safe), float("-inf")) * 0.6931471805599453,
                  mask=offs_m < Sq)
-        tl.store(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * som + offs_d[None, :],
-                 out.to(O.dtype.element_ty), mask=offs_m[:, None] < Sq)
+        if TMA:
+            O.store([b, h, m0, 0], out.reshape(1, 1, BLOCK_M, HEAD_DIM).to(O.dtype))
+        else:
+            tl.store(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * som + offs_d[None, :],
+                     out.to(O.dtype.element_ty), mask=offs_m[:, None] < Sq)
 
 
-def band_forward(q, k, v, scale, left, block_m, block_n, warps, stages, branch, programs_per_sm, flatten):
+def _descriptor(t, rows):
+    return TensorDescriptor.from_tensor(t, [1, 1, rows, t.shape[-1]])
+
+
+def band_forward(q, k, v, scale, left, block_m, block_n, warps, stages, branch, programs_per_sm, flatten, tma=False):
     B, H, S, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
@@ -100,10 +120,13 @@ def band_forward(q, k, v, scale, left, block_m, block_n, warps, stages, branch, 
         grid = (min(num_tiles, sms * programs_per_sm),)
     else:
         grid = (num_tiles,)
-    band_forward_kernel[grid](q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+    tensors = (q, k, v, out)
+    if tma:
+        tensors = (_descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, block_m))
+    band_forward_kernel[grid](*tensors, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                               *out.stride()[:3], H, S, S, 0, left, 0, scale * LOG2E, num_tiles, tiles_m,
                               HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BRANCH=branch, FLATTEN=flatten,
-                              STAGES=stages, num_warps=warps, num_stages=stages)
+                              STAGES=stages, TMA=tma, num_warps=warps, num_stages=stages)
     return out, lse
 
 
@@ -112,6 +135,7 @@ def main():
     ap.add_argument("--s", type=int, default=8192)
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--variants", action="store_true", help="time the experimental kernel's variants")
+    ap.add_argument("--tma", action="store_true", help="with --variants: the kernel on TMA descriptors")
     ap.add_argument("--backward-tiles", action="store_true",
                     help="time the library's one-loop backward at other tiles (BACKWARD_TILES[128] swapped)")
     args = ap.parse_args()
@@ -158,17 +182,22 @@ def main():
         return
     tiles = [(64, 64, 4, 3), (64, 64, 8, 3), (64, 64, 4, 4), (64, 32, 4, 3), (64, 32, 4, 4), (64, 128, 8, 2),
              (32, 64, 4, 3), (32, 32, 4, 3), (128, 64, 8, 3)]
-    for (bm_, bn, w, st), branch, (pps, flat) in itertools.product(tiles, (True,), ((0, False),)):
-        label = f"{bm_}x{bn}/{w}w/{st}s branch={int(branch)} persist={pps} flatten={int(flat)}"
+    runs = [(tile, False, 0) for tile in tiles]
+    if args.tma:  # the same kernel on TMA descriptors, at the tiles that came close without them
+        tma_tiles = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3),
+                     (128, 128, 8, 2)]
+        runs = [((64, 64, 4, 3), False, 0)] + [(tile, True, 0) for tile in tma_tiles] + [((64, 64, 4, 3), True, 2)]
+    for (bm_, bn, w, st), tma, pps in runs:
+        label = f"{bm_}x{bn}/{w}w/{st}s branch=1 persist={pps} tma={int(tma)}"
         try:
-            out, lse = band_forward(q, k, v, scale, W, bm_, bn, w, st, branch, pps, flat)
+            out, lse = band_forward(q, k, v, scale, W, bm_, bn, w, st, True, pps, False, tma)
             err = (out.float() - ref.float()).abs().max().item()
             lerr = (lse - ref_lse).abs().max().item()
-            ms = do_bench(lambda: band_forward(q, k, v, scale, W, bm_, bn, w, st, branch, pps, flat), rep=100)
+            ms = do_bench(lambda: band_forward(q, k, v, scale, W, bm_, bn, w, st, True, pps, False, tma), rep=100)
             print(f"{label}: {ms * 1e3:.1f} us, {flops / ms / 1e9:.1f} TFLOP/s (err {err:.3g}, lse {lerr:.3g})",
                   flush=True)
         except Exception as err:
-            print(f"{label}: failed {str(err)[:160]}", flush=True)
+            print(f"{label}: failed {str(err)[:300]}", flush=True)
 
 
 def sweep_backward_tiles(q, k, v, g, scale, vis, flops, reference_grads):
