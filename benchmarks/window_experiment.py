@@ -19,7 +19,6 @@ off (kernelforge.triton.attention.ONE_LOOP_WINDOW), next to Flex forward and for
 from __future__ import annotations
 
 import argparse
-import itertools
 
 import torch
 import triton
