@@ -2,13 +2,19 @@
 
 On a GPU: CUDA events after warm-up, every run preceded by an L2 flush (a write over a
 buffer larger than L2) so no run is served from the previous run's cache; the median and
-20/80% quantiles over many runs. `back_to_back=True` instead times a loop of calls with
-no flush between them, which is what a small shape costs in a model: per-call Python and
-dispatcher overhead shows up there when the GPU outruns the CPU.
+20/80% quantiles over many runs. Before each flush the GPU is held back (a sleep kernel
+longer than the host's time per call), so it never reaches the start event before the host
+has queued the call: a flushed run is device time only. Without the hold, a call whose host
+side outlasts the flush left the GPU idle inside the timed window by however much the host
+lost the race: the same decode kernel timed 25 us in one run and 44 us in the next (H200).
+`back_to_back=True` instead times a loop of calls with no flush between them, which is what
+a small shape costs in a model: per-call Python and dispatcher overhead shows up there when
+the GPU outruns the CPU.
 On the CPU: perf_counter around each call, same statistics.
 """
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -37,6 +43,28 @@ def _summary(times_ms: list[float]) -> Timing:
     q = statistics.quantiles(times_ms, n=5) if len(times_ms) > 1 else [times_ms[0]] * 4
     return Timing(statistics.median(times_ms), q[0], q[3], min(times_ms), max(times_ms),
                   statistics.fmean(times_ms), len(times_ms))
+
+
+@functools.lru_cache(maxsize=None)
+def _sleep_cycles_per_us(device_index: int) -> float:
+    """Clock cycles per microsecond of torch.cuda._sleep on a device, measured once."""
+    with torch.cuda.device(device_index):
+        torch.cuda._sleep(1000)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(2_000_000)
+        end.record()
+        end.synchronize()
+        return 2_000_000 / (start.elapsed_time(end) * 1e3)
+
+
+def _host_us_per_call(fn: Callable[[], object], calls: int = 3) -> float:
+    """Wall microseconds per call without synchronizing: the host's time to queue a call
+    (more if fn synchronizes, which only lengthens the hold)."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e6
 
 
 def time_function(fn: Callable[[], object], device: torch.device | str = "cuda", warmup: int = 10,
@@ -69,7 +97,12 @@ def time_function(fn: Callable[[], object], device: torch.device | str = "cuda",
         else:
             flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
             events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeat)]
+            # the hold covers the host's queueing of the flush, the events and the call, twice over
+            hold_us = 2 * _host_us_per_call(fn) + 50
+            torch.cuda.synchronize()
+            hold_cycles = int(hold_us * _sleep_cycles_per_us(torch.cuda.current_device()))
             for start, end in events:
+                torch.cuda._sleep(hold_cycles)
                 flush.zero_()
                 start.record()
                 fn()

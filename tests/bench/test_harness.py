@@ -177,6 +177,28 @@ def test_harness_agrees_with_triton_do_bench(tmp_path, monkeypatch):
     assert all("error" not in r for r in result["rows"])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_flushed_timing_is_device_time_when_the_host_is_slow():
+    # A call that spends 300 us on the host before queueing a few-microsecond kernel: the
+    # flushed timing must report the kernel, not the host's delay (the GPU is held back
+    # before each flush); back to back, the host's time is what a loop of calls costs.
+    from kernelforge.bench.timing import time_function
+
+    x = torch.zeros(1024, device="cuda")
+
+    def slow_host_call():
+        until = time.perf_counter() + 300e-6
+        while time.perf_counter() < until:
+            pass
+        x.add_(1)
+
+    flushed = time_function(slow_host_call, "cuda", warmup=3, repeat=30)
+    assert flushed.median_ms < 0.05, flushed
+    looped = time_function(slow_host_call, "cuda", warmup=3, repeat=5, back_to_back=True)
+    assert looped.median_ms > 0.29, looped
+
+
 def test_every_suite_runs_on_cpu(tmp_path, monkeypatch):
     # Each op's suite makes its inputs and runs forward and forward+backward on the reference,
     # with its bytes counted.
