@@ -28,6 +28,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernelforge.reference.attention import Visibility
 from kernelforge.triton import attention as tri
+from kernelforge.triton.attention_kernels import (flash_backward_dkdv_kernel, flash_backward_dq_kernel,
+                                                  flash_forward_kernel)
+
+LIBRARY_KERNELS = (flash_forward_kernel, flash_backward_dkdv_kernel, flash_backward_dq_kernel)
 
 LOG2E = 1.4426950408889634
 
@@ -104,6 +108,103 @@ def band_forward_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh,
                      out.to(O.dtype.element_ty), mask=offs_m[:, None] < Sq)
 
 
+@triton.jit
+def _band_scores(q, K, skn, offs_d, m0, n0, offs_i, offs_n, Sk, off, LEFT, RIGHT, full_lo, full_hi):
+    """S = Q K^T of key tile n0, the band applied on edge tiles (raw scores, -inf hidden)."""
+    cols = n0 + offs_n
+    k = tl.load(K + cols[:, None] * skn + offs_d[None, :], mask=cols[:, None] < Sk, other=0.0)
+    qk = tl.dot(q, tl.trans(k))
+    if (n0 < full_lo) | (n0 >= full_hi):
+        t = offs_n[None, :] - offs_i[:, None] + (n0 - m0 - off)
+        qk = tl.where((t >= -LEFT) & (t <= RIGHT) & (cols[None, :] < Sk), qk, float("-inf"))
+    return qk
+
+
+@triton.jit
+def band_forward_pipelined_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
+                                  H, Sq, Sk, off, LEFT, RIGHT, qk_scale,
+                                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  STAGES: tl.constexpr):
+    """The band forward with the softmax of key tile j placed after P_{j-1} V_{j-1} is issued
+    (FlashAttention-3's intra-warpgroup overlap, by program order): iteration j issues
+    S_j = Q K_j^T and acc += P_{j-1} V_{j-1}, then computes P_j while the second product runs,
+    then rescales acc. Whether the tensor cores and the softmax really overlap is up to Triton's
+    placement of the wgmma waits."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_i = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + offs_i
+    q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqm + offs_d[None, :],
+                mask=offs_m[:, None] < Sq, other=0.0)
+    k_base = K + b.to(tl.int64) * skb + h.to(tl.int64) * skh
+    v_base = V + b.to(tl.int64) * svb + h.to(tl.int64) * svh
+    m_last = tl.minimum(m0 + BLOCK_M, Sq) - 1
+    lo = tl.maximum(m0 + off - LEFT, 0) // BLOCK_N * BLOCK_N
+    hi = tl.minimum(Sk, m_last + off + RIGHT + 1)
+    full_lo = tl.maximum(m_last + off - LEFT + BLOCK_N - 1, 0) // BLOCK_N * BLOCK_N
+    full_hi = tl.minimum((Sk // BLOCK_N) * BLOCK_N, tl.maximum(m0 + off + RIGHT + 1, 0) // BLOCK_N * BLOCK_N)
+    qk = _band_scores(q, k_base, skn, offs_d, m0, lo, offs_i, offs_n, Sk, off, LEFT, RIGHT, full_lo, full_hi)
+    m_i = tl.max(qk, 1) * qk_scale
+    m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+    p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+    l_i = tl.sum(p, 1)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for n0 in tl.range(lo + BLOCK_N, hi, BLOCK_N, num_stages=STAGES):
+        qk = _band_scores(q, k_base, skn, offs_d, m0, n0, offs_i, offs_n, Sk, off, LEFT, RIGHT, full_lo, full_hi)
+        prev = n0 - BLOCK_N + offs_n
+        v = tl.load(v_base + prev[:, None] * svn + offs_d[None, :], mask=prev[:, None] < Sk, other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        m_i = m_new
+    last = lo + (tl.cdiv(hi - lo, BLOCK_N) - 1) * BLOCK_N + offs_n
+    v = tl.load(v_base + last[:, None] * svn + offs_d[None, :], mask=last[:, None] < Sk, other=0.0)
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
+    tl.store(LSE + pid_bh.to(tl.int64) * Sq + offs_m,
+             tl.where(seen, m_i + tl.math.log2(l_safe), float("-inf")) * 0.6931471805599453, mask=offs_m < Sq)
+    tl.store(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * som + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=offs_m[:, None] < Sq)
+
+
+def band_forward_pipelined(q, k, v, scale, left, block_m, block_n, warps, stages):
+    B, H, S, D = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
+    band_forward_pipelined_kernel[(triton.cdiv(S, block_m), B * H)](
+        q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        H, S, S, 0, left, 0, scale * LOG2E, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
+        num_warps=warps, num_stages=stages)
+    return out, lse
+
+
+def report_resources(*kernels):
+    """Registers, spills and shared memory of every compiled variant of `kernels`, and how many
+    programs of each fit an SM by registers (64K) and by shared memory (227 KB)."""
+    for kernel in kernels:
+        for cache in kernel.device_caches.values():
+            for compiled in cache[0].values():
+                compiled._init_handles()
+                meta = compiled.metadata
+                threads = meta.num_warps * 32
+                by_regs = 65536 // max(1, compiled.n_regs * threads)
+                by_smem = (227 * 1024) // max(1, meta.shared)
+                print(f"   {meta.name}: {meta.num_warps} warps, {meta.num_stages} stages, {compiled.n_regs} registers, "
+                      f"{compiled.n_spills} spilled, {meta.shared} B shared: {min(by_regs, by_smem)} programs an SM "
+                      f"(registers {by_regs}, shared {by_smem})", flush=True)
+
+
 def _descriptor(t, rows):
     return TensorDescriptor.from_tensor(t, [1, 1, rows, t.shape[-1]])
 
@@ -135,6 +236,8 @@ def main():
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--variants", action="store_true", help="time the experimental kernel's variants")
     ap.add_argument("--tma", action="store_true", help="with --variants: the kernel on TMA descriptors")
+    ap.add_argument("--pipelined", action="store_true",
+                    help="with --variants: the softmax of tile j after P_{j-1} V_{j-1} is issued")
     ap.add_argument("--backward-tiles", action="store_true",
                     help="time the library's one-loop backward at other tiles (BACKWARD_TILES[128] swapped)")
     args = ap.parse_args()
@@ -186,6 +289,19 @@ def main():
         tma_tiles = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3),
                      (128, 128, 8, 2)]
         runs = [((64, 64, 4, 3), False, 0)] + [(tile, True, 0) for tile in tma_tiles] + [((64, 64, 4, 3), True, 2)]
+    if args.pipelined:
+        for bm_, bn, w, st in ((64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 3)):
+            label = f"pipelined {bm_}x{bn}/{w}w/{st}s"
+            try:
+                out, lse = band_forward_pipelined(q, k, v, scale, W, bm_, bn, w, st)
+                err = (out.float() - ref.float()).abs().max().item()
+                lerr = (lse - ref_lse).abs().max().item()
+                ms = do_bench(lambda: band_forward_pipelined(q, k, v, scale, W, bm_, bn, w, st), rep=100)
+                print(f"{label}: {ms * 1e3:.1f} us, {flops / ms / 1e9:.1f} TFLOP/s (err {err:.3g}, lse {lerr:.3g})",
+                      flush=True)
+            except Exception as err:
+                print(f"{label}: failed {str(err)[:300]}", flush=True)
+        runs = runs[:1]
     for (bm_, bn, w, st), tma, pps in runs:
         label = f"{bm_}x{bn}/{w}w/{st}s branch=1 persist={pps} tma={int(tma)}"
         try:
@@ -197,6 +313,9 @@ def main():
                   flush=True)
         except Exception as err:
             print(f"{label}: failed {str(err)[:300]}", flush=True)
+
+
+    report_resources(band_forward_kernel, band_forward_pipelined_kernel, *LIBRARY_KERNELS)
 
 
 def sweep_backward_tiles(q, k, v, g, scale, vis, flops, reference_grads):
