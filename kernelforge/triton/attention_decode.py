@@ -24,11 +24,14 @@ from kernelforge.triton.attention_kernels import LN2, _finish_rows, _forward_til
 MAX_ROWS = 64  # GROUP * Sq rows of one tile; beyond this the query-tiled forward is as good
 MIN_KEYS = 512  # shorter caches: one query-tiled program walks them quickly enough
 KEYS_PER_SPLIT = 256  # at least this many keys per program, so the merge stays cheap
-# Key ranges are cut until B * Hkv * splits reaches this many programs an SM. One, not two:
-# benchmarks/decode_sweep.py (H200, results/nvidia-h200/attention/decode-sweep/): B8 H32/32
-# Sk16384 0.89x -> 0.99x SDPA (256 programs need no split at all), B8 H32/8 Sk65536 0.93x ->
-# 0.97x; B1 H32/32 Sq4 Sk4096 3% slower (31.3 -> 32.2 us, still 1.7x SDPA).
-PROGRAMS_PER_SM = 1
+# Key ranges are cut while B * Hkv * splits stays within this many programs an SM, the split
+# count rounded down (two fit at once; a memory-bound 4-warp program needs the company to keep
+# loads in flight). H200, the attention_decode suite (results/nvidia-h200/attention/decode-two-per-sm/),
+# device time against one program an SM rounded up (85ad993): B1 H32/8 Sk65536 91 -> 79 us
+# (17 splits had put 136 programs on 132 SMs), B8 H32/8 Sk65536 493 -> 484 us, B1 H32/32
+# Sk65536 267 -> 251 us, no shape slower. Rounding down at one an SM (68f35e4) had left
+# bandwidth unused (B8 H32/8 Sk65536: 532 us).
+PROGRAMS_PER_SM = 2
 BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 3
@@ -124,7 +127,7 @@ def decode_forward(q, k, v, scale: float, vis: Visibility, mask_args, band, prec
     mask, mstr, mask_kind = mask_args
     left, right, has_left, has_right = band
     programs = B * Hkv
-    splits = max(1, min(triton.cdiv(PROGRAMS_PER_SM * sm_count(q.device), programs), triton.cdiv(Sk, KEYS_PER_SPLIT)))
+    splits = max(1, min(PROGRAMS_PER_SM * sm_count(q.device) // programs, triton.cdiv(Sk, KEYS_PER_SPLIT)))
     keys_per_split = triton.cdiv(triton.cdiv(Sk, splits), BLOCK_N) * BLOCK_N
     splits = triton.cdiv(Sk, keys_per_split)
     o_part = torch.empty(splits, B, H, Sq, Dv, dtype=torch.float32, device=q.device)
