@@ -12,6 +12,7 @@ from kernelforge.backends import BackendUnsupportedError, explain, use_backend
 from kernelforge.block_mask import BlockMask, dilated_block_mask, local_global_block_mask, sliding_window_block_mask
 from kernelforge.ops.activations import bias_gelu, bias_silu, gelu, relu, silu
 from kernelforge.ops.attention import flash_attention
+from kernelforge.ops.convrnn import convrnn, convrnn_forward
 from kernelforge.ops.gated_activations import geglu, swiglu
 from kernelforge.ops.gemm import gemm, precision
 from kernelforge.ops.norms import add_layer_norm, add_rms_norm, layer_norm, rms_norm
@@ -22,7 +23,7 @@ from kernelforge.reference.attention import cpu_fused_attention, optimized_cpu_a
 __version__ = "0.1.0"
 
 __all__ = ["BackendUnsupportedError", "BlockMask", "add_layer_norm", "add_rms_norm", "bias_gelu", "bias_silu",
-           "cpu_fused_attention", "dilated_block_mask", "explain", "flash_attention", "geglu", "gelu", "gemm", "gpu_kernel",
-           "layer_norm", "local_global_block_mask", "log_softmax", "nn", "optimized_cpu_attention", "precision",
-           "relu", "rms_norm", "silu",
-           "sliding_window_block_mask", "softmax", "swiglu", "use_backend"]
+           "convrnn", "convrnn_forward", "cpu_fused_attention", "dilated_block_mask", "explain", "flash_attention",
+           "geglu", "gelu", "gemm", "gpu_kernel", "layer_norm", "local_global_block_mask", "log_softmax", "nn",
+           "optimized_cpu_attention", "precision", "relu", "rms_norm", "silu", "sliding_window_block_mask", "softmax",
+           "swiglu", "use_backend"]

@@ -45,6 +45,8 @@ EXTENSIONS: dict[str, Extension] = {
     "activations": Extension("activations", ("activations_cuda.cu", "activations_binding.cpp")),
     "attention": Extension("attention", ("attention_forward.cu", "attention_binding.cpp")),
     "gemm": Extension("gemm", ("gemm_cuda.cu", "gemm_binding.cpp")),
+    # registers torch.ops.kernelforge.convrnn_cuda_{forward,backward} (TORCH_LIBRARY_IMPL) when loaded
+    "convrnn": Extension("convrnn", ("convrnn_cuda.cu", "convrnn_binding.cpp")),
 }
 
 

@@ -3,4 +3,5 @@
 Importing this package registers every op under the `kernelforge` torch.library namespace.
 No kernel code lives here.
 """
-from kernelforge.ops import activations, attention, gated_activations, gemm, norms, softmax  # noqa: F401  (registers kernelforge::softmax, ...)
+# importing registers the torch.library operators (kernelforge::softmax, ...)
+from kernelforge.ops import activations, attention, convrnn, gated_activations, gemm, norms, softmax  # noqa: F401

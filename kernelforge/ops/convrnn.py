@@ -1,0 +1,159 @@
+"""ConvRNN: schemas, input checks, fake implementations, autograd, dispatch.
+
+    out, h_T = kernelforge.convrnn(x, kernel, hidden)    # also kernelforge.convrnn_forward
+    h_0 = hidden;  h_t = tanh(x[:, t-1] + conv1d(h_{t-1}, kernel, padding=K // 2)),  t = 1..T
+
+x (batch, time, features), kernel (1, 1, K) with K odd, hidden (batch, features), one float
+dtype and one device; out (batch, time, features) holds h_1..h_T. Definition and backward
+formulas: kernelforge/reference/convrnn.py.
+
+Registered ops (each with a fake implementation):
+    kernelforge::convrnn(Tensor x, Tensor kernel, Tensor hidden) -> (Tensor, Tensor)
+    kernelforge::convrnn_backward(Tensor grad_out, Tensor grad_h, Tensor kernel, Tensor hidden,
+                                  Tensor out) -> (Tensor, Tensor, Tensor)
+    kernelforge::convrnn_cuda_forward / convrnn_cuda_backward: the same two signatures, the
+        CUDA backend. Their schemas and fakes are defined here, once; their CUDA kernels are
+        registered from C++ (TORCH_LIBRARY_IMPL in kernelforge/cuda/csrc/convrnn_binding.cpp)
+        when the extension loads, so the schema exists (for fake tensors, opcheck, compile)
+        on machines that cannot build the extension.
+
+The backward op has no gradient of its own: create_graph=True through convrnn raises.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernelforge import backends
+from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same
+
+OP = "convrnn"
+NAME = "convrnn"
+
+
+# ----------------------------------------------------------------------------- checks
+def _check(x: torch.Tensor, kernel: torch.Tensor, hidden: torch.Tensor) -> None:
+    for arg, t in (("x", x), ("kernel", kernel), ("hidden", hidden)):
+        check_floating(NAME, arg, t, FLOAT_DTYPES)
+    if x.dim() != 3:
+        raise ValueError(f"kernelforge.{NAME}: x must be 3-D (batch, time, features), got shape {tuple(x.shape)}")
+    if kernel.dim() != 3 or kernel.shape[0] != 1 or kernel.shape[1] != 1 or kernel.shape[2] % 2 == 0:
+        raise ValueError(f"kernelforge.{NAME}: kernel must have shape (1, 1, K) with K odd, got {tuple(kernel.shape)}")
+    if tuple(hidden.shape) != (x.shape[0], x.shape[2]):
+        raise ValueError(f"kernelforge.{NAME}: hidden must have shape (batch, features) = {(x.shape[0], x.shape[2])}"
+                         f" to match x {tuple(x.shape)}, got {tuple(hidden.shape)}")
+    names = ("x", "kernel", "hidden")
+    check_same(NAME, "dtype", names, (x.dtype, kernel.dtype, hidden.dtype))
+    check_same(NAME, "device", names, (x.device, kernel.device, hidden.device))
+
+
+def _check_backward(grad_out, grad_h, kernel, hidden, out) -> None:
+    _check(out, kernel, hidden)
+    for arg, t, like in (("grad_out", grad_out, out), ("grad_h", grad_h, hidden)):
+        if tuple(t.shape) != tuple(like.shape) or t.dtype != like.dtype or t.device != like.device:
+            raise ValueError(f"kernelforge.{NAME}_backward: {arg} must match shape {tuple(like.shape)}, dtype "
+                             f"{like.dtype} and device {like.device}; got {tuple(t.shape)}, {t.dtype}, {t.device}")
+
+
+# ----------------------------------------------------------------------------- dispatch
+def _why_not_triton(x: torch.Tensor, kernel: torch.Tensor):
+    from kernelforge.triton import why_unavailable
+    from kernelforge.triton.convrnn import why_not
+
+    if x.dtype not in GPU_FLOAT_DTYPES:
+        return f"Triton kernels take float32/float16/bfloat16, got {x.dtype}"
+    return why_not(x, kernel) or why_unavailable(x.device)
+
+
+def _why_not_cuda(x: torch.Tensor, kernel: torch.Tensor):
+    from kernelforge.cuda import why_unavailable
+    from kernelforge.cuda.convrnn import why_not
+
+    return why_not(x, kernel) or why_unavailable("convrnn")
+
+
+def _why_not_reference(x: torch.Tensor, kernel: torch.Tensor):
+    return None
+
+
+def _preference(x: torch.Tensor, kernel: torch.Tensor):
+    if x.device.type != "cuda":
+        return ("reference",), "the reference is the CPU implementation"
+    return ("cuda", "triton", "reference"), (
+        "both kernels run all steps in one launch; the CUDA one keeps the state in shared memory and "
+        "launches through the dispatcher in a few microseconds")
+
+
+def _choice_key(x: torch.Tensor, kernel: torch.Tensor):
+    return x.device.type, x.dtype, x.shape[-1], kernel.shape[-1]
+
+
+backends.register(OP, "triton", "kernelforge.triton.convrnn", _why_not_triton)
+backends.register(OP, "cuda", "kernelforge.cuda.convrnn", _why_not_cuda)
+backends.register(OP, "reference", "kernelforge.reference.convrnn", _why_not_reference)
+backends.set_preference(OP, _preference, _choice_key)
+
+
+# ----------------------------------------------------------------------------- registration
+def _fake_forward(x, kernel, hidden):
+    _check(x, kernel, hidden)
+    return x.new_empty(x.shape), x.new_empty(hidden.shape)
+
+
+def _fake_backward(grad_out, grad_h, kernel, hidden, out):
+    _check_backward(grad_out, grad_h, kernel, hidden, out)
+    return out.new_empty(out.shape), kernel.new_empty(kernel.shape), hidden.new_empty(hidden.shape)
+
+
+for _name, _schema, _fake in (
+    ("convrnn_cuda_forward", "(Tensor x, Tensor kernel, Tensor hidden) -> (Tensor, Tensor)", _fake_forward),
+    ("convrnn_cuda_backward", "(Tensor grad_out, Tensor grad_h, Tensor kernel, Tensor hidden, Tensor out) -> "
+                              "(Tensor, Tensor, Tensor)", _fake_backward),
+):
+    torch.library.define(f"kernelforge::{_name}", _schema)
+    torch.library.register_fake(f"kernelforge::{_name}", _fake)
+
+
+@torch.library.custom_op("kernelforge::convrnn_backward", mutates_args=())
+def convrnn_backward_op(grad_out: torch.Tensor, grad_h: torch.Tensor, kernel: torch.Tensor, hidden: torch.Tensor,
+                        out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_backward(grad_out, grad_h, kernel, hidden, out)
+    launchers = backends.select(OP, out, kernel).implementation.launchers()
+    return tuple(t.contiguous() for t in launchers.convrnn_backward(grad_out, grad_h, kernel, hidden, out))
+
+
+convrnn_backward_op.register_fake(_fake_backward)
+
+
+@torch.library.custom_op("kernelforge::convrnn", mutates_args=())
+def convrnn_op(x: torch.Tensor, kernel: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(x, kernel, hidden)
+    launchers = backends.select(OP, x, kernel).implementation.launchers()
+    return launchers.convrnn_forward(x, kernel, hidden)
+
+
+convrnn_op.register_fake(_fake_forward)
+
+
+def _setup_context(ctx, inputs, output):
+    _, kernel, hidden = inputs
+    ctx.save_for_backward(kernel, hidden, output[0])
+
+
+def _gradients(ctx, grad_out, grad_h):
+    kernel, hidden, out = ctx.saved_tensors
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
+    grad_h = torch.zeros_like(hidden) if grad_h is None else grad_h
+    return convrnn_backward_op(grad_out, grad_h, kernel, hidden, out)
+
+
+convrnn_op.register_autograd(_gradients, setup_context=_setup_context)
+
+
+def convrnn(x: torch.Tensor, kernel: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, h_T) of the ConvRNN recurrence over x's time axis (see the module docstring).
+    The state is carried in float32 for low-precision inputs; differentiable in x, kernel and
+    hidden (backward through time); works under torch.compile."""
+    return torch.ops.kernelforge.convrnn(x, kernel, hidden)
+
+
+convrnn_forward = convrnn  # the design documents' name

@@ -1,0 +1,209 @@
+"""ConvRNN: every backend against the float64 oracle (forward and backward through time), odd
+sizes, layouts, empty inputs, the registered ops (opcheck, the CUDA kernels registered from
+C++), torch.compile, and bad input."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernelforge as kf
+from kernelforge.reference.convrnn import convrnn_forward as reference_forward
+from tests.conftest import HAS_CUDA, backend_cases
+from tests.numerics import assert_matches_oracle
+
+GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (batch, time, features, taps): odd features, one step, one feature, a tap wider than the row
+SHAPES = [(2, 17, 33, 3), (1, 1, 1, 1), (3, 6, 199, 5), (2, 40, 64, 7), (1, 3, 2, 5)]
+GPU_SHAPES = SHAPES + [(4, 300, 1000, 3), (2, 64, 4097, 3), (3, 33, 16384, 15)]
+
+
+def dtypes_for(backend, device):
+    if device == "cpu" and backend == "triton":
+        return [torch.float32, torch.float16]  # the interpreter's bf16 stores truncate (see test_softmax)
+    return GPU_DTYPES + ([torch.float64] if backend == "reference" else [])
+
+
+def torch_loop(x, kernel, hidden):
+    """PyTorch's own same-dtype computation: the loop, every step rounded to x's dtype."""
+    h, outs = hidden, []
+    for t in range(x.shape[1]):
+        h = torch.tanh(x[:, t] + F.conv1d(h.unsqueeze(1), kernel, padding=kernel.shape[-1] // 2).squeeze(1))
+        outs.append(h)
+    return (torch.stack(outs, 1) if outs else x.new_empty(x.shape)), h
+
+
+def inputs(shape, dtype, device, requires_grad=False):
+    B, T, Fe, K = shape
+    x = torch.randn(B, T, Fe, dtype=dtype, device=device)
+    kernel = (torch.randn(1, 1, K, dtype=dtype, device=device) / K ** 0.5)
+    hidden = torch.randn(B, Fe, dtype=dtype, device=device)
+    return tuple(t.requires_grad_(requires_grad) for t in (x, kernel, hidden))
+
+
+def supported(backend, device, shape):
+    B, T, Fe, K = shape
+    if backend == "triton":
+        from kernelforge.triton.convrnn import why_not
+        return why_not(torch.empty(0, 0, Fe), torch.empty(1, 1, K)) is None
+    if backend == "cuda":
+        return Fe <= 16384 and K <= 15
+    return True
+
+
+def recurrence_scale(shape, dtype, terms=1):
+    """The floor's scale for float32: each output carries the roundings of T steps of K taps
+    (and a dkernel entry sums `terms` such products), amplified or damped step by step by the
+    recurrence's Jacobian, so two correct float32 computations differ by a random walk of about
+    sqrt(T (K + 2) terms) ulps. PyTorch's own loop can land closer to the oracle by chance. Half
+    precision needs no such floor: PyTorch's loop rounds its state every step, ours keeps
+    float32, and twice its error is the larger bound."""
+    B, T, Fe, K = shape
+    return (T * (K + 2) * terms) ** 0.5 if dtype == torch.float32 else 0.0
+
+
+def shapes_for(device):
+    return GPU_SHAPES if device == "cuda" else SHAPES
+
+
+@pytest.mark.parametrize("backend,device", backend_cases())
+def test_forward_matches_oracle(backend, device):
+    for shape in shapes_for(device):
+        if not supported(backend, device, shape):
+            continue
+        for dtype in dtypes_for(backend, device):
+            x, kernel, hidden = inputs(shape, dtype, device)
+            with kf.use_backend(backend):
+                out, h_last = kf.convrnn(x, kernel, hidden)
+            oracle_out, oracle_h = reference_forward(x.double(), kernel.double(), hidden.double())
+            same_out, same_h = torch_loop(x, kernel, hidden) if dtype != torch.float64 else (oracle_out, oracle_h)
+            what = f"convrnn {shape} {dtype} {backend}"
+            scale = recurrence_scale(shape, dtype)
+            assert_matches_oracle(out, same_out, oracle_out, what + " out", reduced=shape[3], terms_scale=scale)
+            assert_matches_oracle(h_last, same_h, oracle_h, what + " h_T", reduced=shape[3], terms_scale=scale)
+
+
+@pytest.mark.parametrize("backend,device", backend_cases())
+def test_backward_through_time_matches_oracle(backend, device):
+    for shape in shapes_for(device):
+        if not supported(backend, device, shape):
+            continue
+        for dtype in dtypes_for(backend, device):
+            x, kernel, hidden = inputs(shape, dtype, device, requires_grad=True)
+            with kf.use_backend(backend):
+                out, h_last = kf.convrnn(x, kernel, hidden)
+            grad_out, grad_h = torch.randn_like(out), torch.randn_like(h_last)
+            ours = torch.autograd.grad((out, h_last), (x, kernel, hidden), (grad_out, grad_h))
+            leaves = [t.detach().double().requires_grad_() for t in (x, kernel, hidden)]
+            o64, h64 = reference_forward(*leaves)
+            oracle = torch.autograd.grad((o64, h64), leaves, (grad_out.double(), grad_h.double()))
+            if dtype == torch.float64:
+                same = oracle
+            else:
+                same = torch.autograd.grad(torch_loop(x, kernel, hidden), (x, kernel, hidden), (grad_out, grad_h))
+            B, T, Fe, K = shape
+            for name, o, s, ref, terms in zip(("dx", "dkernel", "dhidden"), ours, same, oracle, (1, B * Fe, 1)):
+                assert_matches_oracle(o, s, ref, f"convrnn {shape} {dtype} {backend} {name}", reduced=K * T * terms,
+                                      terms_scale=recurrence_scale(shape, dtype, terms))
+
+
+def test_gradcheck_in_float64():
+    x, kernel, hidden = inputs((2, 4, 6, 3), torch.float64, "cpu", requires_grad=True)
+    assert torch.autograd.gradcheck(kf.convrnn, (x, kernel, hidden))
+
+
+@pytest.mark.parametrize("backend,device", backend_cases())
+def test_layouts_and_empty_inputs(backend, device):
+    dtype = torch.float32
+    with kf.use_backend(backend):
+        # a feature-major buffer (non-unit feature stride) and every other time step
+        base = torch.randn(3, 12, 10, dtype=dtype, device=device)
+        x = base.transpose(1, 2)[:, ::2]  # (3, 5, 12)... features 12, time 5
+        _, kernel, hidden = inputs((3, 5, 12, 3), dtype, device)
+        hidden = torch.randn(12, 3, dtype=dtype, device=device).t()
+        out, h_last = kf.convrnn(x, kernel, hidden)
+        ref_out, ref_h = kf.convrnn(x.contiguous(), kernel, hidden.contiguous())
+        torch.testing.assert_close(out, ref_out)
+        torch.testing.assert_close(h_last, ref_h)
+        # no time steps: h_T is the hidden state, out is empty; no batch rows: empty results
+        x, kernel, hidden = inputs((2, 0, 7, 3), dtype, device, requires_grad=True)
+        out, h_last = kf.convrnn(x, kernel, hidden)
+        assert out.shape == (2, 0, 7) and torch.equal(h_last, hidden)
+        dx, dk, dh = torch.autograd.grad(h_last.sum(), (x, kernel, hidden))
+        assert dx.shape == (2, 0, 7) and torch.equal(dk, torch.zeros_like(dk)) and torch.equal(dh, torch.ones_like(dh))
+        x, kernel, hidden = inputs((0, 4, 7, 3), dtype, device)
+        out, h_last = kf.convrnn(x, kernel, hidden)
+        assert out.shape == (0, 4, 7) and h_last.shape == (0, 7)
+
+
+def _op_devices():
+    return [pytest.param("cpu", id="cpu"),
+            pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu,
+                                                   pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")])]
+
+
+@pytest.mark.parametrize("device", _op_devices())
+def test_opcheck(device):
+    x, kernel, hidden = inputs((2, 5, 9, 3), torch.float32, device)
+    out, h_last = torch.ops.kernelforge.convrnn(x, kernel, hidden)
+    backward_args = (torch.randn_like(out), torch.randn_like(h_last), kernel, hidden, out)
+    torch.library.opcheck(torch.ops.kernelforge.convrnn.default, (x, kernel, hidden))
+    torch.library.opcheck(torch.ops.kernelforge.convrnn.default,
+                          tuple(t.clone().requires_grad_() for t in (x, kernel, hidden)))
+    torch.library.opcheck(torch.ops.kernelforge.convrnn_backward.default, backward_args)
+    if device == "cuda":
+        from kernelforge.cuda.convrnn import convrnn_forward
+
+        convrnn_forward(x, kernel, hidden)  # loads the extension: its C++ block registers the CUDA kernels
+        for name in ("convrnn_cuda_forward", "convrnn_cuda_backward"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kernelforge::{name}", "CUDA"), name
+        torch.library.opcheck(torch.ops.kernelforge.convrnn_cuda_forward.default, (x, kernel, hidden))
+        torch.library.opcheck(torch.ops.kernelforge.convrnn_cuda_backward.default, backward_args)
+
+
+@pytest.mark.parametrize("device", _op_devices())
+def test_compiled_matches_eager(device):
+    x, kernel, hidden = inputs((2, 7, 20, 3), torch.float32, device, requires_grad=True)
+
+    def loss(x, kernel, hidden):
+        out, h_last = kf.convrnn(x, kernel, hidden)
+        return (out * out).sum() + h_last.sum()
+
+    expected = torch.autograd.grad(loss(x, kernel, hidden), (x, kernel, hidden))
+    compiled = torch.compile(loss, fullgraph=True)
+    got = torch.autograd.grad(compiled(x, kernel, hidden), (x, kernel, hidden))
+    for a, e in zip(got, expected):
+        torch.testing.assert_close(a, e)
+
+
+def test_design_document_name_and_cpu_choice():
+    x, kernel, hidden = inputs((2, 3, 8, 3), torch.float32, "cpu")
+    assert kf.convrnn_forward is kf.convrnn
+    out, h_last = kf.convrnn_forward(x, kernel, hidden)
+    assert torch.equal(out[:, -1], h_last)
+    assert "runs on reference" in kf.explain("convrnn", x, kernel)
+
+
+@pytest.mark.parametrize("args,error,message", [
+    (((2, 5), (1, 1, 3), (2, 5)), ValueError, "x must be 3-D"),
+    (((2, 5, 7), (1, 1, 4), (2, 7)), ValueError, "K odd, got (1, 1, 4)"),
+    (((2, 5, 7), (2, 1, 3), (2, 7)), ValueError, "kernel must have shape (1, 1, K)"),
+    (((2, 5, 7), (1, 1, 3), (2, 6)), ValueError, "hidden must have shape (batch, features) = (2, 7)"),
+])
+def test_bad_shapes_are_named(args, error, message):
+    tensors = [torch.randn(s) for s in args]
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        kf.convrnn(*tensors)
+
+
+def test_bad_dtypes_are_named():
+    x, kernel, hidden = inputs((2, 5, 7, 3), torch.float32, "cpu")
+    with pytest.raises(RuntimeError, match="same dtype, got x: torch.float32, kernel: torch.float64"):
+        kf.convrnn(x, kernel.double(), hidden)
+    with pytest.raises(TypeError, match="x must have dtype in"):
+        kf.convrnn(x.int(), kernel, hidden)
+
+
+def test_triton_says_which_rows_it_cannot_hold():
+    from kernelforge.triton.convrnn import why_not
+
+    assert why_not(torch.empty(1, 1, 8192), torch.empty(1, 1, 3)) is None
+    assert "3 taps x 16384 features" in why_not(torch.empty(1, 1, 16384), torch.empty(1, 1, 3))
