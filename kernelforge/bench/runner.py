@@ -95,6 +95,9 @@ def run_suite(suite: Suite, dtypes: list[str], device: torch.device, quick: bool
     variants = suite.variants() if backends_only is None else {}
     kernel_only = suite.kernel_only() if device.type == "cuda" and backends_only is None else {}
     left_out = {} if left_out is None else left_out
+    warmup = 5 if quick else 10
+    if suite.max_repeat:
+        repeat, warmup = min(repeat, suite.max_repeat), min(warmup, 3)
     rows = []
     for i, (shape, dtype_name, direction) in enumerate(cases, 1):
         # torch.compile keeps 8 graphs per function (recompile_limit) and then runs it eager,
@@ -111,8 +114,8 @@ def run_suite(suite: Suite, dtypes: list[str], device: torch.device, quick: bool
             row = {"op": suite.op, "shape": suite.label(shape), "dtype": dtype_name, "direction": direction,
                    "impl": name, "timing": "back-to-back" if small else "L2 flushed"}
             try:
-                t = time_function(prepare_call(fn, inputs, direction), device, warmup=5 if quick else 10,
-                                  repeat=repeat, back_to_back=small)
+                t = time_function(prepare_call(fn, inputs, direction), device, warmup=warmup, repeat=repeat,
+                                  back_to_back=small)
                 row.update(ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, **roofline(cost, t.median_ms, ceilings))
             except Unavailable as why:  # cannot take this case here: no row, a note
                 note = f"{name}: {why}"

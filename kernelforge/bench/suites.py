@@ -4,7 +4,8 @@ Adding an op to `kernelforge bench` means adding one `Suite` here: the shape gri
 large shapes of shared/TARGETS.md, latency shapes where per-call overhead dominates, and
 small CPU shapes), how to make inputs, what one call must move and compute (`Cost`), and
 the baselines (PyTorch eager, torch.compile, peers when importable). The attention suites
-are in kernelforge.bench.attention_suites, the GEMM suites in kernelforge.bench.gemm_suites.
+are in kernelforge.bench.attention_suites, the GEMM suites in kernelforge.bench.gemm_suites, the
+ConvRNN suite in kernelforge.bench.recurrent_suites.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import kernelforge as kf
 from kernelforge import backends
 from kernelforge.bench.attention_suites import attention_suites
 from kernelforge.bench.gemm_suites import gemm_suites
+from kernelforge.bench.recurrent_suites import recurrent_suites
 from kernelforge.bench.roofline import Cost
 
 Shape = tuple
@@ -61,6 +63,9 @@ class Suite:
     # The suite's own dtypes (names of kernelforge.bench.runner.DTYPES), run whatever --dtype
     # asks: a precision suite (tf32, fp8) is defined by them. Empty: --dtype.
     dtypes: tuple[str, ...] = ()
+    # At most this many timed runs (and 3 warm-ups) a case, when some implementation takes
+    # a large fraction of a second a call (the ConvRNN loops); 0: the run's own count.
+    max_repeat: int = 0
 
 
 def _softmax_kernel_only() -> dict[str, Fn]:
@@ -273,6 +278,7 @@ SUITES: dict[str, Suite] = {
                           lambda gate, up: torch.nn.functional.gelu(gate, approximate="tanh") * up, _liger_geglu),
     **attention_suites(),
     **gemm_suites(),
+    **recurrent_suites(),
 }
 
 
