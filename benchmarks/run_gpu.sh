@@ -32,7 +32,7 @@ for stage in $stages; do
   start=$SECONDS
   case $stage in
     build)
-      for ext in softmax norms activations attention gemm; do
+      for ext in softmax norms activations attention gemm convrnn; do
         python3 -c "from kernelforge.cuda.compiler import get_cuda_compiler as g; g().load('$ext')" \
           > "$R/build-$ext.log" 2>&1 &
       done
