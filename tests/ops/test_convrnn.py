@@ -34,7 +34,10 @@ def torch_loop(x, kernel, hidden):
 def inputs(shape, dtype, device, requires_grad=False):
     B, T, Fe, K = shape
     x = torch.randn(B, T, Fe, dtype=dtype, device=device)
-    kernel = (torch.randn(1, 1, K, dtype=dtype, device=device) / K ** 0.5)
+    # taps summing to less than 1 in magnitude: the recurrence contracts, so gradients through
+    # hundreds of steps neither explode nor vanish into rounding (with randn / sqrt(K) taps, dx
+    # after 300 steps reached ~1e3 and float32's own loop erred by 5: no oracle test is possible)
+    kernel = (torch.rand(1, 1, K, dtype=dtype, device=device) * 2 - 1) / K
     hidden = torch.randn(B, Fe, dtype=dtype, device=device)
     return tuple(t.requires_grad_(requires_grad) for t in (x, kernel, hidden))
 
