@@ -68,18 +68,24 @@ def _taps(row, f, F, PAD: tl.constexpr, BLOCK_K: tl.constexpr, KSIZE: tl.constex
 
 
 @triton.jit
+def _row_program(W, WORK, F, KSIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_F: tl.constexpr):
+    """What both kernels start from: this program's batch row b, the feature offsets and their
+    mask, the tap offsets and the taps (float32, 0 past KSIZE), and the row's workspace."""
+    b = tl.program_id(0)
+    f = tl.arange(0, BLOCK_F)
+    j = tl.arange(0, BLOCK_K)
+    w = tl.load(W + j, mask=j < KSIZE, other=0.0).to(tl.float32)
+    return b, f, f < F, j, w, WORK + b.to(tl.int64) * 2 * BLOCK_F
+
+
+@triton.jit
 def convrnn_forward_kernel(X, W, H0, OUT, HT, WORK, sxb, sxt, shb, T, F,
                            KSIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_F: tl.constexpr,
                            PRECISE: tl.constexpr):
     """out[b, t] = h_{t+1} = tanh(x[b, t] + conv(h_t)), t = 0..T-1; HT[b] = h_T. x and h0 have
     unit feature stride; out, HT, WORK are dense; WORK is (B, 2, BLOCK_F) float32."""
     PAD: tl.constexpr = KSIZE // 2
-    b = tl.program_id(0)
-    f = tl.arange(0, BLOCK_F)
-    inside = f < F
-    j = tl.arange(0, BLOCK_K)
-    w = tl.load(W + j, mask=j < KSIZE, other=0.0).to(tl.float32)
-    work = WORK + b.to(tl.int64) * 2 * BLOCK_F
+    b, f, inside, j, w, work = _row_program(W, WORK, F, KSIZE, BLOCK_K, BLOCK_F)
     h = tl.load(H0 + b.to(tl.int64) * shb + f, mask=inside, other=0.0).to(tl.float32)
     tl.store(work + f, h, mask=inside)
     tl.debug_barrier()
@@ -104,12 +110,7 @@ def convrnn_backward_kernel(GRAD_OUT, GRAD_H, W, H0, OUT, DX, DH0, DW_PART, WORK
     convrnn.py): dx (dense, input dtype), dh0 (dense), and this row's dkernel partial (B, BLOCK_K)
     float32 (summed over rows on the host, in a fixed order). WORK holds da_t, two rows."""
     PAD: tl.constexpr = KSIZE // 2
-    b = tl.program_id(0)
-    f = tl.arange(0, BLOCK_F)
-    inside = f < F
-    j = tl.arange(0, BLOCK_K)
-    w = tl.load(W + j, mask=j < KSIZE, other=0.0).to(tl.float32)
-    work = WORK + b.to(tl.int64) * 2 * BLOCK_F
+    b, f, inside, j, w, work = _row_program(W, WORK, F, KSIZE, BLOCK_K, BLOCK_F)
     out_row = OUT + b.to(tl.int64) * T * F
     go_row = GRAD_OUT + b.to(tl.int64) * sgb
     g = tl.load(GRAD_H + b.to(tl.int64) * sghb + f, mask=inside, other=0.0).to(tl.float32)
@@ -175,7 +176,7 @@ def convrnn_backward(grad_out: torch.Tensor, grad_h: torch.Tensor, kernel: torch
     meta = _meta(F, K)
     dx = torch.empty(B, T, F, dtype=out.dtype, device=out.device)
     dh0 = torch.empty(B, F, dtype=hidden.dtype, device=out.device)
-    dw_part = torch.zeros(B, meta["BLOCK_K"], dtype=torch.float32, device=out.device)
+    dw_part = torch.empty(B, meta["BLOCK_K"], dtype=torch.float32, device=out.device)  # every entry written
     work = torch.empty(B, 2, meta["BLOCK_F"], dtype=torch.float32, device=out.device)
     if B:
         with on_device(out):
