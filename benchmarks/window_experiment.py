@@ -37,6 +37,18 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _band_bounds(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key range [lo, hi) the query tile at m0 sees, and [full_lo, full_hi): its key tiles
+    that need no mask."""
+    m_last = tl.minimum(m0 + BLOCK_M, Sq) - 1
+    lo = tl.maximum(m0 + off - LEFT, 0) // BLOCK_N * BLOCK_N
+    hi = tl.minimum(Sk, m_last + off + RIGHT + 1)
+    full_lo = tl.maximum(m_last + off - LEFT + BLOCK_N - 1, 0) // BLOCK_N * BLOCK_N
+    full_hi = tl.minimum((Sk // BLOCK_N) * BLOCK_N, tl.maximum(m0 + off + RIGHT + 1, 0) // BLOCK_N * BLOCK_N)
+    return lo, hi, full_lo, full_hi
+
+
+@triton.jit
 def band_forward_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
                         H, Sq, Sk, off, LEFT, RIGHT, qk_scale, num_tiles, tiles_m,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -62,11 +74,7 @@ def band_forward_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh,
                         mask=offs_m[:, None] < Sq, other=0.0)
             k_base = K + b.to(tl.int64) * skb + h.to(tl.int64) * skh
             v_base = V + b.to(tl.int64) * svb + h.to(tl.int64) * svh
-        m_last = tl.minimum(m0 + BLOCK_M, Sq) - 1
-        lo = tl.maximum(m0 + off - LEFT, 0) // BLOCK_N * BLOCK_N
-        hi = tl.minimum(Sk, m_last + off + RIGHT + 1)
-        full_lo = tl.maximum(m_last + off - LEFT + BLOCK_N - 1, 0) // BLOCK_N * BLOCK_N
-        full_hi = tl.minimum((Sk // BLOCK_N) * BLOCK_N, tl.maximum(m0 + off + RIGHT + 1, 0) // BLOCK_N * BLOCK_N)
+        lo, hi, full_lo, full_hi = _band_bounds(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -143,11 +151,7 @@ def band_forward_pipelined_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn,
                 mask=offs_m[:, None] < Sq, other=0.0)
     k_base = K + b.to(tl.int64) * skb + h.to(tl.int64) * skh
     v_base = V + b.to(tl.int64) * svb + h.to(tl.int64) * svh
-    m_last = tl.minimum(m0 + BLOCK_M, Sq) - 1
-    lo = tl.maximum(m0 + off - LEFT, 0) // BLOCK_N * BLOCK_N
-    hi = tl.minimum(Sk, m_last + off + RIGHT + 1)
-    full_lo = tl.maximum(m_last + off - LEFT + BLOCK_N - 1, 0) // BLOCK_N * BLOCK_N
-    full_hi = tl.minimum((Sk // BLOCK_N) * BLOCK_N, tl.maximum(m0 + off + RIGHT + 1, 0) // BLOCK_N * BLOCK_N)
+    lo, hi, full_lo, full_hi = _band_bounds(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N)
     qk = _band_scores(q, k_base, skn, offs_d, m0, lo, offs_i, offs_n, Sk, off, LEFT, RIGHT, full_lo, full_hi)
     m_i = tl.max(qk, 1) * qk_scale
     m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
