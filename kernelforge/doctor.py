@@ -59,10 +59,14 @@ def _triton_smoke() -> str:
 
 def _extension_smoke(name: str) -> Callable[[], str]:
     def run() -> str:
-        from kernelforge.cuda.compiler import get_cuda_compiler
+        from kernelforge.cuda.compiler import AOT_LOADED, get_cuda_compiler
 
-        get_cuda_compiler().load(name)
-        return f"cached in {get_cuda_compiler().cache_dir}"
+        compiler = get_cuda_compiler()
+        compiler.load(name)
+        status = compiler.aot_status.get(name)
+        if status == AOT_LOADED:
+            return f"{AOT_LOADED}, from {compiler.aot_dir}"
+        return f"JIT, cached in {compiler.cache_dir} (ahead of time: {status})"
 
     return run
 

@@ -1,12 +1,16 @@
-"""JIT builds of the CUDA extensions, cached by source hash.
+"""JIT builds of the CUDA extensions, cached by source hash, and the loader that prefers an
+ahead-of-time build.
 
 Each extension is a plain-CUDA kernel file (no torch headers: compiles anywhere nvcc
-exists) plus a thin binding file that talks to torch. `CUDACompiler` builds one with
-`torch.utils.cpp_extension.load` (ninja, -O3, architectures from TORCH_CUDA_ARCH_LIST or
-the visible GPUs) into a directory named by a hash of everything that affects the binary:
-the sources and headers, the flags, the architectures, and the torch / CUDA / Python
-versions. A process that finds the built library there imports it directly, so a second
-process compiles nothing and does not even run ninja.
+exists) plus a thin binding file that talks to torch; kernelforge/cuda/extensions.py finds
+them (csrc/<name>_binding.cpp + csrc/<name>_*.cu) and holds the flags. `CUDACompiler.load`
+first looks for a library built ahead of time (`KERNELFORGE_BUILD_CUDA=1 pip install`, see
+setup.py) in kernelforge/cuda/_aot/ and uses it when its build record matches this process
+(sources, flags, torch, CUDA, Python, an architecture that runs on the visible GPUs).
+Otherwise it builds with `torch.utils.cpp_extension.load` (ninja, -O3, architectures from
+TORCH_CUDA_ARCH_LIST or the visible GPUs) into a directory named by a hash of everything
+that affects the binary, so a second process imports the built library directly and does
+not even run ninja. `aot_status` says, per extension, which way it was loaded and why.
 """
 from __future__ import annotations
 
@@ -18,36 +22,23 @@ import importlib.util
 import os
 import sys
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Iterable, Optional, Sequence
 
 import torch
 
-CSRC = Path(__file__).resolve().parent / "csrc"
+from kernelforge.cuda.extensions import (
+    AOT_DIR, AOT_PACKAGE, CSRC, Extension, aot_mismatch, aot_record, compile_flags, debug_requested,
+    discover, read_aot_record, source_digest,
+)
+
 CACHE_ENV = "KERNELFORGE_CACHE_DIR"
-HEADER_SUFFIXES = (".h", ".cuh")
+AOT_LOADED = "ahead-of-time build"
 
-
-@dataclass(frozen=True)
-class Extension:
-    """One loadable module: its sources (file names in csrc/), kernel file first."""
-
-    name: str
-    sources: tuple[str, ...]
-
-
-# Every extension the package ships; `kernelforge build` prebuilds all of them.
-EXTENSIONS: dict[str, Extension] = {
-    "softmax": Extension("softmax", ("softmax_cuda.cu", "softmax_binding.cpp")),
-    "norms": Extension("norms", ("norms_forward.cu", "norms_backward.cu", "norms_binding.cpp")),
-    "activations": Extension("activations", ("activations_cuda.cu", "activations_binding.cpp")),
-    "attention": Extension("attention", ("attention_forward.cu", "attention_binding.cpp")),
-    "gemm": Extension("gemm", ("gemm_cuda.cu", "gemm_binding.cpp")),
-    # registers torch.ops.kernelforge.convrnn_cuda_{forward,backward} (TORCH_LIBRARY_IMPL) when loaded
-    "convrnn": Extension("convrnn", ("convrnn_cuda.cu", "convrnn_binding.cpp")),
-}
+# Every extension the package ships (by the csrc/ naming convention); `kernelforge build`
+# prebuilds all of them. Loading convrnn registers torch.ops.kernelforge.convrnn_cuda_* from C++.
+EXTENSIONS: dict[str, Extension] = discover()
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,13 +123,16 @@ class CUDACompiler:
         cache_dir: Path | str | None = None,
         extra_cuda_cflags: Sequence[str] = (),
         verbose: bool = False,
+        aot_dir: Path | str | None = AOT_DIR,
     ):
         self.source_dir = Path(source_dir)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.verbose = verbose
-        debug = os.environ.get("KERNELFORGE_DEBUG") == "1"
-        self.cflags = ["-O3", "-std=c++17"] + (["-g"] if debug else [])
-        self.cuda_cflags = ["-O3", "-std=c++17"] + (["-g", "-lineinfo"] if debug else []) + list(extra_cuda_cflags)
+        # None: never load ahead-of-time builds (they are built from the package's csrc/ only)
+        self.aot_dir = Path(aot_dir) if aot_dir is not None else None
+        self.cflags, self.cuda_cflags = compile_flags(debug_requested(), extra_cuda_cflags)
+        # extension name -> AOT_LOADED, or why it was built JIT instead (for `kernelforge doctor`)
+        self.aot_status: dict[str, str] = {}
         self._loaded: dict[str, ModuleType] = {}
         self._by_extension: dict[str, ModuleType] = {}
         self._lock = threading.Lock()
@@ -168,7 +162,36 @@ class CUDACompiler:
             ext = EXTENSIONS[extension]
         except KeyError:
             raise KeyError(f"unknown CUDA extension {extension!r}; known: {sorted(EXTENSIONS)}") from None
-        module = self._by_extension[extension] = self.compile(ext.name, ext.sources)
+        module = self._load_ahead_of_time(ext)
+        if module is None:
+            module = self.compile(ext.name, ext.sources)
+        self._by_extension[extension] = module
+        return module
+
+    def _load_ahead_of_time(self, ext: Extension) -> Optional[ModuleType]:
+        """The ahead-of-time library of `ext` if its record matches this process, else None (and
+        the reason in aot_status)."""
+        if self.aot_dir is None or self.source_dir != CSRC:
+            self.aot_status[ext.name] = "ahead-of-time builds are off for this compiler"
+            return None
+        if torch.version.cuda is None or not torch.cuda.is_available():
+            self.aot_status[ext.name] = "no CUDA GPU is visible"
+            return None
+        python = f"{sys.version_info.major}.{sys.version_info.minor}"
+        expected = aot_record(ext, "", self.cflags, self.cuda_cflags, torch.__version__, torch.version.cuda, python,
+                              self.source_dir)
+        record = read_aot_record(ext.name, self.aot_dir)
+        capabilities = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+        why = next(filter(None, (aot_mismatch(record, expected, cap) for cap in sorted(capabilities))), None)
+        libraries = [p for suffix in importlib.machinery.EXTENSION_SUFFIXES for p in self.aot_dir.glob(ext.name + suffix)]
+        if why is None and not libraries:
+            why = f"its build record exists but no library {ext.name}.<abi>.so is in {self.aot_dir}"
+        if why is not None:
+            self.aot_status[ext.name] = why
+            return None
+        with self._lock:
+            module = _import_library(f"{AOT_PACKAGE}.{ext.name}", libraries[0])
+        self.aot_status[ext.name] = AOT_LOADED
         return module
 
     def compile(self, name: str, sources: Iterable[str]) -> ModuleType:
@@ -200,11 +223,7 @@ class CUDACompiler:
             return module
 
     def cache_key(self, paths: Sequence[Path], archs: str) -> str:
-        h = hashlib.sha256()
-        headers = sorted(p for p in self.source_dir.iterdir() if p.suffix in HEADER_SUFFIXES)
-        for p in list(paths) + headers:
-            h.update(p.name.encode())
-            h.update(p.read_bytes())
+        h = hashlib.sha256(source_digest(paths, self.source_dir).encode())
         for part in (
             archs, " ".join(self.cflags), " ".join(self.cuda_cflags), torch.__version__,
             str(torch.version.cuda), sys.version.split()[0],
