@@ -10,6 +10,8 @@
 #   gemm-sweep  benchmarks/gemm_sweep.py $GEMM_SWEEP_ARGS (tile configs and a TMA kernel against cuBLAS)
 #   gemm-overhead  benchmarks/gemm_overhead.py (host cost per kf.gemm call, and its profile)
 #   profile  benchmarks/profile_ops.py $PROFILE_ARGS (device time per kernel, host profile per call)
+#   aot      KERNELFORGE_BUILD_CUDA=1 pip install into /tmp/kfsite; doctor and CUDA op tests against it
+#   memcheck compute-sanitizer --tool memcheck over $MEMCHECK_TESTS (default tests/cuda) -k $MEMCHECK_K
 #   script   python3 $SCRIPT (one benchmark or probe script with its arguments) into script.log
 #   harness  kernelforge bench $BENCH_OPS (default all) --dtype $BENCH_DTYPE (default bf16) --crosscheck
 # Everything lands in $OUT/results/ and is packed into $OUT/results.tgz (the device returns
@@ -32,7 +34,7 @@ for stage in $stages; do
   start=$SECONDS
   case $stage in
     build)
-      for ext in softmax norms activations attention gemm convrnn; do
+      for ext in $(python3 -c "from kernelforge.cuda.extensions import discover; print(*discover())"); do
         python3 -c "from kernelforge.cuda.compiler import get_cuda_compiler as g; g().load('$ext')" \
           > "$R/build-$ext.log" 2>&1 &
       done
@@ -71,6 +73,27 @@ for stage in $stages; do
     profile)
       timeout "${PROFILE_TIMEOUT:-200}" python3 benchmarks/profile_ops.py ${PROFILE_ARGS:-} > "$R/profile.log" 2>&1
       status=$(( status | $? )); tail -n 20 "$R/profile.log" ;;
+    aot)  # the ahead-of-time build: pip install into /tmp/kfsite, then the CUDA GPU tests and the doctor
+          # against that install, with an empty JIT cache (anything built JIT shows up in it)
+      rm -rf /tmp/kfsite /tmp/kf-jit-empty
+      KERNELFORGE_BUILD_CUDA=1 timeout "${AOT_TIMEOUT:-400}" python3 -m pip install -v --no-build-isolation --no-deps \
+        --no-index --target /tmp/kfsite . > "$R/aot-build.log" 2>&1
+      status=$(( status | $? )); tail -n 3 "$R/aot-build.log"; ls /tmp/kfsite/kernelforge/cuda/_aot | tee -a "$R/aot-build.log"
+      (cd /tmp && PYTHONPATH=/tmp/kfsite KERNELFORGE_CACHE_DIR=/tmp/kf-jit-empty python3 -m kernelforge.cli doctor) \
+        > "$R/aot-doctor.log" 2>&1
+      grep "cuda extension" "$R/aot-doctor.log"
+      PYTHONPATH=/tmp/kfsite:$PWD KERNELFORGE_CACHE_DIR=/tmp/kf-jit-empty timeout "${AOT_TESTS_TIMEOUT:-300}" \
+        python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 -k "${AOT_K:-cuda-cuda or opcheck}" ${AOT_TESTS:-tests/ops} \
+        > "$R/aot-gpu-tests.log" 2>&1
+      status=$(( status | $? )); tail -n 2 "$R/aot-gpu-tests.log"
+      echo "JIT builds during the AOT tests: $(ls /tmp/kf-jit-empty/cuda 2>/dev/null | wc -l)" | tee -a "$R/aot-gpu-tests.log" ;;
+    memcheck)  # compute-sanitizer memcheck over the GPU tests of the CUDA extensions ($MEMCHECK_TESTS,
+               # -k $MEMCHECK_K); the caching allocator off, so every out-of-bounds access is seen
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${MEMCHECK_TIMEOUT:-400}" compute-sanitizer --tool memcheck \
+        --target-processes all --error-exitcode 99 --print-limit 20 \
+        python3 -m pytest -m gpu -q -p no:cacheprovider -n "${MEMCHECK_WORKERS:-8}" -k "${MEMCHECK_K:-}" \
+        ${MEMCHECK_TESTS:-tests/cuda} > "$R/memcheck.log" 2>&1
+      status=$(( status | $? )); grep -E "ERROR SUMMARY|Invalid|passed|failed" "$R/memcheck.log" | tail -n 12 ;;
     script)  # any one script: SCRIPT="benchmarks/x.py --args"
       timeout "${SCRIPT_TIMEOUT:-200}" python3 $SCRIPT > "$R/script.log" 2>&1
       status=$(( status | $? )); tail -n 30 "$R/script.log" ;;

@@ -1,4 +1,4 @@
-"""The `kernelforge` command: doctor | build | demo | bench."""
+"""The `kernelforge` command: doctor | build | demo | bench | new-op."""
 from __future__ import annotations
 
 import argparse
@@ -23,6 +23,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="GPU: also time kernelforge's forward with triton.testing.do_bench, as an extra row")
     bench.add_argument("--compare", nargs=2, metavar=("OLD.json", "NEW.json"),
                        help="print speedups of NEW over OLD and flag regressions beyond noise; exit 1 if any")
+    new_op = sub.add_parser("new-op", help="write the files of a new op (reference, Triton, CUDA, op, tests, "
+                                           "benchmark) from the templates, with TODOs where the math goes")
+    new_op.add_argument("name", help="the op's name, a lower-case identifier (e.g. fused_gelu)")
+    new_op.add_argument("--root", default=None, help="the source checkout to write into (default: this one)")
+    new_op.add_argument("--force", action="store_true", help="overwrite the op's files if they exist")
     args = parser.parse_args(argv)
 
     if args.command == "doctor":
@@ -35,9 +40,26 @@ def main(argv: list[str] | None = None) -> int:
         return run_build(sys.stdout)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "new-op":
+        return _new_op(args)
     from kernelforge.demo import run_demo
 
     return run_demo(sys.stdout, device=args.device)
+
+
+def _new_op(args) -> int:
+    from pathlib import Path
+
+    from kernelforge.scaffold import ScaffoldError, new_op, next_steps, project_root
+
+    root = Path(args.root) if args.root else project_root()
+    try:
+        written = new_op(args.name, root, force=args.force)
+    except ScaffoldError as err:
+        sys.stderr.write(f"kernelforge new-op: {err}\n")
+        return 2
+    sys.stdout.write(next_steps(args.name, written, root))
+    return 0
 
 
 def _bench(args) -> int:

@@ -140,15 +140,18 @@ def run_suite(suite: Suite, dtypes: list[str], device: torch.device, quick: bool
 
 def run_bench(ops: list[str], dtypes: list[str], device: torch.device | str, quick: bool = False,
               backends_only: Optional[list[str]] = None, repeat: Optional[int] = None,
-              progress: Optional[TextIO] = None, crosscheck: bool = False) -> dict:
-    """Benchmark `ops` (names in SUITES, or ["all"]); returns {"meta", "ceilings", "rows"}.
-    `progress`, a text stream, gets one line per measurement as it completes. `crosscheck`
-    (GPU) re-times kernelforge's forward with triton.testing.do_bench in an extra row."""
+              progress: Optional[TextIO] = None, crosscheck: bool = False,
+              suites: Optional[dict[str, Suite]] = None) -> dict:
+    """Benchmark `ops` (names in SUITES or in `suites`, or ["all"]); returns {"meta", "ceilings",
+    "rows"}. `progress`, a text stream, gets one line per measurement as it completes.
+    `crosscheck` (GPU) re-times kernelforge's forward with triton.testing.do_bench in an extra
+    row. `suites`: more suites by name, e.g. a new op's own script (benchmarks/bench_<op>.py)."""
     device = torch.device(device)
-    names = list(SUITES) if ops == ["all"] else ops
-    unknown = [n for n in names if n not in SUITES]
+    known = {**SUITES, **(suites or {})}
+    names = list(known) if ops == ["all"] else ops
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise ValueError(f"no benchmark suite for {unknown}; known: {sorted(SUITES)} or 'all'")
+        raise ValueError(f"no benchmark suite for {unknown}; known: {sorted(known)} or 'all'")
     bad = [d for d in dtypes if d not in DTYPES]
     if bad:
         raise ValueError(f"unknown dtype(s) {bad}; expected some of {sorted(DTYPES)}")
@@ -159,7 +162,7 @@ def run_bench(ops: list[str], dtypes: list[str], device: torch.device | str, qui
     meta["missing_peers"], meta["left_out"] = {}, {}
     for name in names:
         meta["left_out"][name] = {}
-        rows += run_suite(SUITES[name], dtypes, device, quick, backends_only, repeat, ceilings, progress, crosscheck,
+        rows += run_suite(known[name], dtypes, device, quick, backends_only, repeat, ceilings, progress, crosscheck,
                           meta["left_out"][name])
-        meta["missing_peers"][name] = missing_peers(SUITES[name])
+        meta["missing_peers"][name] = missing_peers(known[name])
     return {"meta": meta, "ceilings": ceilings.as_dict(), "rows": rows}

@@ -183,7 +183,8 @@ class CUDACompiler:
         record = read_aot_record(ext.name, self.aot_dir)
         capabilities = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
         why = next(filter(None, (aot_mismatch(record, expected, cap) for cap in sorted(capabilities))), None)
-        libraries = [p for suffix in importlib.machinery.EXTENSION_SUFFIXES for p in self.aot_dir.glob(ext.name + suffix)]
+        suffixes = importlib.machinery.EXTENSION_SUFFIXES
+        libraries = [p for suffix in suffixes for p in self.aot_dir.glob(ext.name + suffix)]
         if why is None and not libraries:
             why = f"its build record exists but no library {ext.name}.<abi>.so is in {self.aot_dir}"
         if why is not None:

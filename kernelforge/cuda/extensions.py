@@ -120,7 +120,8 @@ def aot_record(ext: Extension, archs: str, host_flags, device_flags, torch_versi
                cuda_version: Optional[str], python_version: str, source_dir: Path = CSRC) -> dict:
     """What an ahead-of-time library was built from; the loader uses it only if all of it still
     holds (same sources, flags, torch, CUDA and Python, and an architecture that runs here)."""
-    return {"name": ext.name, "sources": list(ext.sources), "digest": source_digest([source_dir / s for s in ext.sources], source_dir),
+    digest = source_digest([source_dir / s for s in ext.sources], source_dir)
+    return {"name": ext.name, "sources": list(ext.sources), "digest": digest,
             "archs": archs, "host_flags": list(host_flags), "device_flags": list(device_flags),
             "torch": torch_version, "cuda": cuda_version, "python": python_version}
 

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernelforge.cuda import compiler, extensions
-from kernelforge.cuda.compiler import AOT_LOADED, EXTENSIONS, CUDACompiler
+from kernelforge.cuda.compiler import EXTENSIONS, CUDACompiler
 from kernelforge.cuda.extensions import CSRC, Extension, aot_mismatch, aot_record, arch_covers, discover, parse_archs
 from tests.conftest import needs_cuda
 
@@ -166,7 +165,8 @@ launcher.get_cuda_compiler = lambda: comp  # the launcher loads the extension th
 module = comp.load("convrnn")
 assert comp.aot_status["convrnn"] == AOT_LOADED, comp.aot_status
 assert module.__file__.startswith({str(aot_dir)!r}), module.__file__
-x = torch.randn(2, 5, 9, device="cuda"); k = torch.randn(1, 1, 3, device="cuda") / 3; h = torch.randn(2, 9, device="cuda")
+x, h = torch.randn(2, 5, 9, device="cuda"), torch.randn(2, 9, device="cuda")
+k = torch.randn(1, 1, 3, device="cuda") / 3
 with kf.use_backend("cuda"):
     out, last = kf.convrnn(x, k, h)
 ref, ref_last = kf.convrnn(x.cpu(), k.cpu(), h.cpu())
