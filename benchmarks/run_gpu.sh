@@ -11,7 +11,7 @@
 #   gemm-overhead  benchmarks/gemm_overhead.py (host cost per kf.gemm call, and its profile)
 #   profile  benchmarks/profile_ops.py $PROFILE_ARGS (device time per kernel, host profile per call)
 #   aot      KERNELFORGE_BUILD_CUDA=1 pip install into /tmp/kfsite; doctor and CUDA op tests against it
-#   memcheck compute-sanitizer --tool memcheck over $MEMCHECK_TESTS (default tests/cuda) -k $MEMCHECK_K
+#   memcheck compute-sanitizer --tool memcheck over each of $MEMCHECK_TESTS (FILE or FILE:SECONDS)
 #   script   python3 $SCRIPT (one benchmark or probe script with its arguments) into script.log
 #   harness  kernelforge bench $BENCH_OPS (default all) --dtype $BENCH_DTYPE (default bf16) --crosscheck
 # Everything lands in $OUT/results/ and is packed into $OUT/results.tgz (the device returns
@@ -82,18 +82,28 @@ for stage in $stages; do
       (cd /tmp && PYTHONPATH=/tmp/kfsite KERNELFORGE_CACHE_DIR=/tmp/kf-jit-empty python3 -m kernelforge.cli doctor) \
         > "$R/aot-doctor.log" 2>&1
       grep "cuda extension" "$R/aot-doctor.log"
-      PYTHONPATH=/tmp/kfsite:$PWD KERNELFORGE_CACHE_DIR=/tmp/kf-jit-empty timeout "${AOT_TESTS_TIMEOUT:-300}" \
-        python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 -k "${AOT_K:-cuda-cuda or opcheck}" ${AOT_TESTS:-tests/ops} \
-        > "$R/aot-gpu-tests.log" 2>&1
-      status=$(( status | $? )); tail -n 2 "$R/aot-gpu-tests.log"
+      # the tests run from a copy holding only tests/ (python -m pytest puts the working directory
+      # first on sys.path: from the checkout, kernelforge would be imported from the tree)
+      rm -rf /tmp/kf-aot-tests && mkdir /tmp/kf-aot-tests && cp -r tests pyproject.toml /tmp/kf-aot-tests/
+      (cd /tmp/kf-aot-tests && PYTHONPATH=/tmp/kfsite python3 -c "import kernelforge; print('kernelforge from', \
+        kernelforge.__file__)" && PYTHONPATH=/tmp/kfsite KERNELFORGE_CACHE_DIR=/tmp/kf-jit-empty \
+        timeout "${AOT_TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 \
+        -k "${AOT_K:-cuda-cuda or opcheck}" ${AOT_TESTS:-tests/ops}) > "$R/aot-gpu-tests.log" 2>&1
+      status=$(( status | $? )); head -n 1 "$R/aot-gpu-tests.log"; tail -n 2 "$R/aot-gpu-tests.log"
       echo "JIT builds during the AOT tests: $(ls /tmp/kf-jit-empty/cuda 2>/dev/null | wc -l)" | tee -a "$R/aot-gpu-tests.log" ;;
-    memcheck)  # compute-sanitizer memcheck over the GPU tests of the CUDA extensions ($MEMCHECK_TESTS,
-               # -k $MEMCHECK_K); the caching allocator off, so every out-of-bounds access is seen
-      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${MEMCHECK_TIMEOUT:-400}" compute-sanitizer --tool memcheck \
-        --target-processes all --error-exitcode 99 --print-limit 20 \
-        python3 -m pytest -m gpu -q -p no:cacheprovider -n "${MEMCHECK_WORKERS:-8}" -k "${MEMCHECK_K:-}" \
-        ${MEMCHECK_TESTS:-tests/cuda} > "$R/memcheck.log" 2>&1
-      status=$(( status | $? )); grep -E "ERROR SUMMARY|Invalid|passed|failed" "$R/memcheck.log" | tail -n 12 ;;
+    memcheck)  # compute-sanitizer memcheck over the GPU tests of the CUDA extensions: each file of
+               # $MEMCHECK_TESTS in its own process (no xdist: the sanitizer crashed
+               # bringing up its workers), the caching allocator off so every out-of-bounds access is seen
+      # entries FILE or FILE:SECONDS; op tests keep only the CUDA backend's cases (-k), timing tests are left out
+      for entry in ${MEMCHECK_TESTS:-tests/cuda}; do
+        file=${entry%%:*}; limit=${entry#*:}; [ "$limit" = "$entry" ] && limit=${MEMCHECK_TIMEOUT:-200}
+        case $file in tests/ops/*) k="cuda-cuda or opcheck[cuda]" ;; *) k="not speed" ;; esac
+        log="$R/memcheck-$(basename "$file" .py).log"
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$limit" compute-sanitizer --tool memcheck \
+          --error-exitcode 99 --print-limit 20 python3 -m pytest -m gpu -v -p no:cacheprovider -p no:xdist \
+          -k "$k" "$file" > "$log" 2>&1
+        rc=$?; status=$(( status | rc )); echo "$file: exit $rc"; grep -E "ERROR SUMMARY|passed|failed" "$log" | tail -n 3
+      done ;;
     script)  # any one script: SCRIPT="benchmarks/x.py --args"
       timeout "${SCRIPT_TIMEOUT:-200}" python3 $SCRIPT > "$R/script.log" 2>&1
       status=$(( status | $? )); tail -n 30 "$R/script.log" ;;
