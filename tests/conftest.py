@@ -27,6 +27,12 @@ def backend_cases(backends=("reference", "triton", "cuda")):
     return cases
 
 
+def device_cases():
+    """"cpu" and "cuda" for parametrize: the CUDA case is in the GPU suite (-m gpu) and skipped
+    without a GPU (for tests of the registered ops, which pick their backend themselves)."""
+    return [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, needs_cuda])]
+
+
 @pytest.fixture(autouse=True)
 def fresh_seed(request):
     """Every test draws fresh random inputs; the seed is printed so a failure can be replayed

@@ -12,7 +12,7 @@ import kernelforge as kf
 from kernelforge.ops.my_op import my_op
 from kernelforge.reference.my_op import my_op_backward as reference_backward
 from kernelforge.reference.my_op import my_op_forward as reference_forward
-from tests.conftest import HAS_CUDA, backend_cases
+from tests.conftest import backend_cases, device_cases
 from tests.numerics import assert_matches_oracle
 
 SHAPES = [(1,), (7, 199), (3, 4097), (2, 3, 1000)]
@@ -73,13 +73,7 @@ def test_strided_and_empty_inputs(backend, device):
         assert dx.shape == (0, 5)
 
 
-def _op_devices():
-    return [pytest.param("cpu", id="cpu"),
-            pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu,
-                                                   pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")])]
-
-
-@pytest.mark.parametrize("device", _op_devices())
+@pytest.mark.parametrize("device", device_cases())
 def test_opcheck(device):
     x = torch.randn(5, 9, device=device)
     grad_y = torch.randn_like(x)
@@ -96,7 +90,7 @@ def test_opcheck(device):
         torch.library.opcheck(torch.ops.kernelforge.my_op_cuda_backward.default, (grad_y, x))
 
 
-@pytest.mark.parametrize("device", _op_devices())
+@pytest.mark.parametrize("device", device_cases())
 def test_compiled_matches_eager(device):
     x = torch.randn(4, 33, device=device, requires_grad=True)
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import kernelforge as kf
 from kernelforge.reference.convrnn import convrnn_forward as reference_forward
-from tests.conftest import HAS_CUDA, backend_cases
+from tests.conftest import backend_cases, device_cases
 from tests.numerics import assert_matches_oracle
 
 GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -137,13 +137,7 @@ def test_layouts_and_empty_inputs(backend, device):
         assert out.shape == (0, 4, 7) and h_last.shape == (0, 7)
 
 
-def _op_devices():
-    return [pytest.param("cpu", id="cpu"),
-            pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu,
-                                                   pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")])]
-
-
-@pytest.mark.parametrize("device", _op_devices())
+@pytest.mark.parametrize("device", device_cases())
 def test_opcheck(device):
     x, kernel, hidden = inputs((2, 5, 9, 3), torch.float32, device)
     out, h_last = torch.ops.kernelforge.convrnn(x, kernel, hidden)
@@ -162,7 +156,7 @@ def test_opcheck(device):
         torch.library.opcheck(torch.ops.kernelforge.convrnn_cuda_backward.default, backward_args)
 
 
-@pytest.mark.parametrize("device", _op_devices())
+@pytest.mark.parametrize("device", device_cases())
 def test_compiled_matches_eager(device):
     x, kernel, hidden = inputs((2, 7, 20, 3), torch.float32, device, requires_grad=True)
 
