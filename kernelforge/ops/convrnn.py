@@ -55,7 +55,8 @@ def _check_backward(grad_out, grad_h, kernel, hidden, out) -> None:
 
 
 # ----------------------------------------------------------------------------- dispatch
-def _why_not_triton(x: torch.Tensor, kernel: torch.Tensor):
+# The predicates and the preference take `backward`: the two directions are chosen apart.
+def _why_not_triton(x: torch.Tensor, kernel: torch.Tensor, backward: bool = False):
     from kernelforge.triton import why_unavailable
     from kernelforge.triton.convrnn import why_not
 
@@ -64,39 +65,41 @@ def _why_not_triton(x: torch.Tensor, kernel: torch.Tensor):
     return why_not(x, kernel) or why_unavailable(x.device)
 
 
-def _why_not_cuda(x: torch.Tensor, kernel: torch.Tensor):
+def _why_not_cuda(x: torch.Tensor, kernel: torch.Tensor, backward: bool = False):
     from kernelforge.cuda import why_unavailable
     from kernelforge.cuda.convrnn import why_not
 
     return why_not(x, kernel) or why_unavailable("convrnn")
 
 
-def _why_not_reference(x: torch.Tensor, kernel: torch.Tensor):
+def _why_not_reference(x: torch.Tensor, kernel: torch.Tensor, backward: bool = False):
     return None
 
 
-# Forward + backward, H200, bf16, batch 8, 3 taps (results/nvidia-h200/convrnn/): 16 steps
-# CUDA 0.21 ms, Triton 0.27-0.28 (launch cost); 4096 steps of 64 features Triton 4.4 ms, CUDA
-# 6.5; of 1024 CUDA 11.4, Triton 13.0; of 4096 Triton 23.9, CUDA 35.9 (its backward walks all
-# 15 tap slots for 3 taps).
+# H200, bf16, batch 8, 3 taps (results/nvidia-h200/convrnn/2a6b9ef-backward/), ms forward, then
+# forward + backward, Triton / CUDA:
+#   T16 F64 0.063 / 0.038, 0.34 / 0.27       T16 F4096 0.059 / 0.043, 0.32 / 0.25
+#   T256 F1024 0.38 / 0.23, 0.75 / 0.35      T4096 F64 1.50 / 2.38, 4.28 / 3.84
+#   T4096 F1024 6.02 / 3.55, 12.8 / 5.35     T4096 F4096 10.37 / 10.41, 23.7 / 14.4
+# The CUDA backward is the faster at every shape; the forward too, but for long sequences of
+# narrow rows (Triton 1.6x at T4096 F64), where one program's whole row fits a few warps.
 FEW_STEPS = 64
-CUDA_FEATURES = (256, 2048)
+TRITON_FORWARD_FEATURES = 256
 
 
-def _preference(x: torch.Tensor, kernel: torch.Tensor):
+def _preference(x: torch.Tensor, kernel: torch.Tensor, backward: bool = False):
     if x.device.type != "cuda":
         return ("reference",), "the reference is the CPU implementation"
-    if x.shape[1] <= FEW_STEPS:
-        return ("cuda", "triton", "reference"), f"at most {FEW_STEPS} steps: launch cost decides, CUDA's is lower"
-    if CUDA_FEATURES[0] < x.shape[-1] <= CUDA_FEATURES[1]:
-        return ("cuda", "triton", "reference"), (
-            f"{CUDA_FEATURES[0] + 1}-{CUDA_FEATURES[1]} features: the CUDA kernels measured faster (H200)")
-    return ("triton", "cuda", "reference"), (
-        f"under {CUDA_FEATURES[0] + 1} or over {CUDA_FEATURES[1]} features: the Triton kernels measured faster (H200)")
+    if not backward and x.shape[1] > FEW_STEPS and x.shape[-1] <= TRITON_FORWARD_FEATURES:
+        return ("triton", "cuda", "reference"), (
+            f"forward over more than {FEW_STEPS} steps of at most {TRITON_FORWARD_FEATURES} features: the Triton "
+            "kernel measured faster (H200)")
+    return ("cuda", "triton", "reference"), ("the CUDA kernels measured faster here (H200: every backward, and the "
+                                             "forward but for long sequences of narrow rows)")
 
 
-def _choice_key(x: torch.Tensor, kernel: torch.Tensor):
-    return x.device.type, x.dtype, x.shape[1] <= FEW_STEPS, x.shape[-1], kernel.shape[-1]
+def _choice_key(x: torch.Tensor, kernel: torch.Tensor, backward: bool = False):
+    return x.device.type, x.dtype, x.shape[1] <= FEW_STEPS, x.shape[-1], kernel.shape[-1], backward
 
 
 backends.register(OP, "triton", "kernelforge.triton.convrnn", _why_not_triton)
@@ -129,7 +132,7 @@ for _name, _schema, _fake in (
 def convrnn_backward_op(grad_out: torch.Tensor, grad_h: torch.Tensor, kernel: torch.Tensor, hidden: torch.Tensor,
                         out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_backward(grad_out, grad_h, kernel, hidden, out)
-    launchers = backends.select(OP, out, kernel).implementation.launchers()
+    launchers = backends.select(OP, out, kernel, backward=True).implementation.launchers()
     return tuple(t.contiguous() for t in launchers.convrnn_backward(grad_out, grad_h, kernel, hidden, out))
 
 

@@ -204,3 +204,18 @@ def test_triton_says_which_rows_it_cannot_hold():
 
     assert why_not(torch.empty(1, 1, 8192), torch.empty(1, 1, 3)) is None
     assert "3 taps x 16384 features" in why_not(torch.empty(1, 1, 16384), torch.empty(1, 1, 3))
+
+
+def test_backend_order_follows_the_h200_measurements():
+    from types import SimpleNamespace
+
+    from kernelforge.ops.convrnn import _preference
+
+    def rows(steps, features):  # what the rule reads of x: its device and shape
+        return SimpleNamespace(device=torch.device("cuda"), shape=(8, steps, features))
+
+    assert _preference(rows(4096, 64), None)[0][0] == "triton"  # forward of long narrow rows
+    assert _preference(rows(4096, 64), None, backward=True)[0][0] == "cuda"
+    for steps, features in ((16, 64), (256, 1024), (4096, 1024), (4096, 4096)):
+        assert _preference(rows(steps, features), None)[0][0] == "cuda"
+        assert _preference(rows(steps, features), None, backward=True)[0][0] == "cuda"

@@ -1,12 +1,14 @@
 // ConvRNN forward and backward through time (see convrnn_cuda.h).
 //
-// One block per batch row, ITEMS features a thread (feature f = threadIdx.x + i * blockDim.x),
-// the float32 state in shared memory, two rows alternating (step t reads one, writes the
-// other; one __syncthreads a step). Per row and step:
-//   forward:  F inputs read (the next step's prefetched into registers while this one runs),
-//             F outputs written, K * F shared-memory taps, ~2K + 20 FLOPs a feature (tanhf);
-//   backward: grad_out, h_t read, h_{t-1} read K times (L1), dx written, 2 K * F taps; the
-//             gradient row in shared memory too, the K dkernel partials in registers.
+// One block per batch row, ITEMS features a thread, the float32 state in shared memory, two rows
+// alternating (a step reads one, writes the other; one __syncthreads a step). Per row and step:
+//   forward:  feature f = threadIdx.x + i * blockDim.x; F inputs read (the next step's prefetched into
+//             registers while this one runs), F outputs written, K * F shared-memory taps, ~2K + 20
+//             FLOPs a feature (tanhf);
+//   backward: 3 F sizeof(T) bytes: F elements each of out (h_t, loaded ahead of its step and used by
+//             two steps' terms) and grad_out read, F of dx written; F float32 shared-memory writes
+//             (da) and K * F reads, each read feeding both dL/dh and a dkernel partial; 4K + 4 FLOPs a
+//             feature (2K FMAs, then 1 - h^2, + and * for da), the K dkernel partials in registers.
 // Latency-bound (a barrier a step, B blocks): the gain over the reference loop is one launch
 // for T steps instead of ~5 launches a step, with the state never leaving the SM.
 #include "convrnn_cuda.h"
@@ -17,9 +19,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 namespace kernelforge {
 namespace cuda_convrnn {
@@ -80,62 +82,224 @@ __global__ void __launch_bounds__(kMaxThreads) convrnn_forward_kernel(
   }
 }
 
-// The gradient g = dL/dh_t of the feature a thread owns stays in shared memory (a third row),
-// not in registers: with the K dkernel partials unrolled there, 16 features a thread spilled.
+// Elements of out, grad_out and hidden as raw bits in registers: a load lands in a register that
+// nothing converts before the value's use, so no instruction waits on it early (at a loop's back edge).
 template <typename T>
-__global__ void __launch_bounds__(kMaxThreads) convrnn_backward_kernel(
+struct Raw;
+template <>
+struct Raw<float> {
+  using Bits = unsigned;
+  static __device__ __forceinline__ float to_float(Bits b) { return __uint_as_float(b); }
+  static __device__ __forceinline__ Bits from_float(float v) { return __float_as_uint(v); }
+};
+template <>
+struct Raw<__half> {
+  using Bits = unsigned short;
+  static __device__ __forceinline__ float to_float(Bits b) { return __half2float(__ushort_as_half(b)); }
+  static __device__ __forceinline__ Bits from_float(float v) { return __half_as_ushort(__float2half_rn(v)); }
+};
+template <>
+struct Raw<__nv_bfloat16> {
+  using Bits = unsigned short;
+  static __device__ __forceinline__ float to_float(Bits b) { return __bfloat162float(__ushort_as_bfloat16(b)); }
+  static __device__ __forceinline__ Bits from_float(float v) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  }
+};
+
+// v = *p where `on`, else v unchanged; *p = v where `on`. Predicated in PTX: under a C++ `if` the
+// compiler moves each item's address arithmetic into a branch of its own, and the items' accesses no
+// longer share one base register with constant offsets.
+template <typename T>
+__device__ __forceinline__ void load_if(bool on, const T* p, typename Raw<T>::Bits& v) {
+  if constexpr (sizeof(T) == 4) {
+    asm("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q ld.global.nc.b32 %0, [%1];\n}"
+        : "+r"(v) : "l"(p), "r"(static_cast<int>(on)));
+  } else {
+    asm("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q ld.global.nc.b16 %0, [%1];\n}"
+        : "+h"(v) : "l"(p), "r"(static_cast<int>(on)));
+  }
+}
+// No "memory" clobber: the kernel never reads what it stores, so no access needs ordering against it.
+template <typename T>
+__device__ __forceinline__ void store_if(bool on, T* p, typename Raw<T>::Bits v) {
+  if constexpr (sizeof(T) == 4) {
+    asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q st.global.b32 [%0], %1;\n}"
+                 :: "l"(p), "r"(v), "r"(static_cast<int>(on)));
+  } else {
+    asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q st.global.b16 [%0], %1;\n}"
+                 :: "l"(p), "h"(v), "r"(static_cast<int>(on)));
+  }
+}
+
+// Backward, a step per row t = T-1 .. 0 of out (out[:, t] is h_{t+1}). The step that has h = out[:, t]
+// in hand also closes the previous step's da row da' (of row t + 1), whose remaining terms need exactly
+// that h:
+//   g[f]   = sum_j w[j] da'[f - j + pad]           dL/dh_{t+1}, the conv_transpose of da'
+//   dw[j] += h[f] da'[f - j + pad]                 = sum_f da'[f] h[f + j - pad]: own h, neighbours' da'
+//   da[f]  = (g[f] + grad_out[t, f]) (1 - h[f]^2)  into dx and the other da row
+// So one shared-memory read of da' feeds both sums, each row of out is loaded once, and g never
+// outlives its step. Row T - 1 takes g = grad_h; after row 0, h = hidden (h_0) closes the last da row
+// and g is dhidden.
+//
+// Item i of a thread is feature f0 + 32 i, f0 = warp * 32 ITEMS + lane: a warp covers 32 ITEMS
+// consecutive features, 32 a load (coalesced), and a thread's items are one base plus constants. The
+// da rows hold every warp's items, those past the row (f >= F) too: these keep h = 0 and da = 0, so
+// shared memory needs no bounds test and only their global accesses are skipped (predicated).
+// Items go in groups of kGroup, each group's out and grad_out elements loaded while the group before it
+// computes: a step ahead up to 4 items a thread (the next step's first group during this step's last,
+// across the barrier). A fully unrolled step of 8 or 16 items gives ptxas the room to schedule every
+// load at once, which with the 64 registers of 1024 threads spilled; the run-time tap count, whose 15
+// taps and dkernel partials fill the registers, goes one item at a time.
+// Slot k (a tap, a dkernel partial) reads da'[f + kMargin - k]: k = j with TAPS taps; TAPS == 0 takes
+// the count at run time, centred in kMaxTaps slots. Each da row has kMargin zeros at both ends, so every
+// slot reads at a constant offset with no bounds test.
+// __launch_bounds__ minBlocks 1: one block an SM is all a row needs; without it ptxas at times aimed
+// at two (32 registers) and spilled.
+template <typename T, int ITEMS, int TAPS>
+__global__ void __launch_bounds__(kMaxThreads, 1) convrnn_backward_kernel(
     const T* __restrict__ grad_out, int64_t sgb, int64_t sgt, const T* __restrict__ grad_h, int64_t sghb,
     const float* __restrict__ w, const T* __restrict__ hidden, int64_t shb, const T* __restrict__ out,
-    T* __restrict__ dx, T* __restrict__ dhidden, float* __restrict__ dw_part, int time, int features, int taps) {
+    T* __restrict__ dx, T* __restrict__ dhidden, float* __restrict__ dw_part, int time, int features,
+    int runtime_taps) {
+  using R = Raw<T>;
+  constexpr int kSlots = TAPS > 0 ? TAPS : kMaxTaps, kMargin = kSlots / 2;
+  constexpr int kGroup = TAPS == 0 ? 1 : ITEMS < 4 ? ITEMS : 4;
+  const int taps = TAPS > 0 ? TAPS : runtime_taps;
+  const int first = kMargin - taps / 2;  // the slot of tap 0
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int row = warps * 32 * ITEMS + 2 * kMargin;
   extern __shared__ float smem[];
-  float* da_rows = smem;  // two rows of `features`, alternating by step
-  float* g = smem + 2 * features;  // one row; feature f is only ever touched by its own thread
-  float* tap = g + features;
-  float* warp_sums = tap + kMaxTaps;  // [warps][kMaxTaps]
-  const int pad = taps / 2;
+  float* da_rows = smem + kMargin;    // two rows of `row`, alternating by step; feature 0 at da_rows[0]
+  float* warp_sums = smem + 2 * row;  // [warps][kSlots]
   const int64_t b = blockIdx.x;
-  for (int j = threadIdx.x; j < taps; j += blockDim.x) tap[j] = w[j];
-  for (int f = threadIdx.x; f < features; f += blockDim.x) g[f] = to_float(grad_h[b * sghb + f]);
-  float dw[kMaxTaps];
+  const unsigned f0 = warp * 32 * ITEMS + lane;  // unsigned: no sign extension kept for the addresses
+  const int n_active = min(ITEMS, max(0, (features - static_cast<int>(f0) + 31) / 32));  // items i < F
+  const T* grad_h_b = grad_h + b * sghb + f0;
+  const T* hidden_b = hidden + b * shb + f0;
+  if (time == 0) {  // no steps: dhidden = grad_h, no dkernel terms
+    for (int i = 0; i < n_active; ++i) dhidden[b * features + f0 + 32 * i] = grad_h_b[32 * i];
+    for (int j = threadIdx.x; j < taps; j += blockDim.x) dw_part[b * taps + j] = 0.f;
+    return;
+  }
+  // used[k]: slot k holds a tap (always, with TAPS taps). The other slots read as 0: a zero weight alone
+  // would turn an inf there into a NaN. The taps sit in registers with TAPS taps; with the run-time
+  // count in shared memory, a broadcast read a use, since 15 registers of taps next to the 15 dkernel
+  // partials spilled.
+  float* tap_row = warp_sums + warps * kSlots;
+  bool used[kSlots];
+  float wt[kSlots], dw[kSlots];
 #pragma unroll
-  for (int j = 0; j < kMaxTaps; ++j) dw[j] = 0.f;
+  for (int k = 0; k < kSlots; ++k) {
+    used[k] = TAPS > 0 || (k >= first && k < first + taps);
+    if constexpr (TAPS > 0) wt[k] = w[k];
+    dw[k] = 0.f;
+  }
+  const auto tap = [&](int k) {
+    if constexpr (TAPS > 0) {
+      return wt[k];
+    } else {
+      return tap_row[k];
+    }
+  };
+  for (int k = threadIdx.x; k < 2 * row; k += blockDim.x) smem[k] = 0.f;  // margins and items past F stay 0
+  if (TAPS == 0 && threadIdx.x < kSlots) {
+    const int k = threadIdx.x;
+    tap_row[k] = k >= first && k < first + taps ? w[k - first] : 0.f;
+  }
   __syncthreads();
-  for (int step = 0; step < time; ++step) {
-    const int t = time - 1 - step;  // out[:, t] is h_{t+1}; its predecessor is out[:, t-1] or hidden
-    const T* prev = t > 0 ? out + (b * time + t - 1) * features : hidden + b * shb;
-    float* da_row = da_rows + (step & 1) * features;
-    for (int f = threadIdx.x; f < features; f += blockDim.x) {
-      const float h = to_float(out[(b * time + t) * features + f]);
-      const float da = (g[f] + to_float(grad_out[b * sgb + t * sgt + f])) * (1.f - h * h);
-      da_row[f] = da;
-      from_float(&dx[(b * time + t) * features + f], da);
+  // Row T - 1, where g = grad_h: once, so scalars in a plain loop rather than registers held across it.
+  const T* out_t = out + (b * time + time - 1) * features + f0;  // rows t of out, grad_out, dx
+  const T* go_t = grad_out + b * sgb + (time - 1) * sgt + f0;
+  T* dx_t = dx + (b * time + time - 1) * features + f0;
+#pragma unroll 4
+  for (int i = 0; i < n_active; ++i) {
+    const float hf = to_float(out_t[32 * i]);
+    const float da = (to_float(grad_h_b[32 * i]) + to_float(go_t[32 * i])) * (1.f - hf * hf);
+    da_rows[f0 + 32 * i] = da;
+    from_float(&dx_t[32 * i], da);
+  }
+  // The next group's out and grad_out elements (the first group of row T - 2, or of hidden if T = 1;
+  // after row 0 the grad_out row is row 0 again, loaded and never used).
+  typename R::Bits h[kGroup], go[kGroup];
 #pragma unroll
-      for (int j = 0; j < kMaxTaps; ++j) {  // unrolled: dw stays in registers
-        const int idx = f + j - pad;
-        if (j < taps && idx >= 0 && idx < features) dw[j] = fmaf(da, to_float(prev[idx]), dw[j]);
+  for (int u = 0; u < kGroup; ++u) {
+    h[u] = go[u] = 0;
+    load_if(u < n_active, time > 1 ? out_t - features + 32 * u : hidden_b + 32 * u, h[u]);
+    load_if(u < n_active, time > 1 ? go_t - sgt + 32 * u : go_t + 32 * u, go[u]);
+  }
+  __syncthreads();  // row T - 1's da is complete
+  // g of item i from the previous step's da row; on the way, that row's dkernel terms with hf, the
+  // item's h (0 past the row).
+  const auto close_row = [&](const float* prev, int i, float hf) {
+    float g = 0.f;
+#pragma unroll
+    for (int k = 0; k < kSlots; ++k) {
+      const float v = used[k] ? prev[static_cast<int>(f0) + 32 * i + kMargin - k] : 0.f;
+      g = fmaf(tap(k), v, g);
+      dw[k] = fmaf(hf, v, dw[k]);
+    }
+    return g;
+  };
+  for (int s = 1; s < time; ++s) {  // step s: row t = T - 1 - s
+    const int t = time - 1 - s;
+    out_t -= features, go_t -= sgt, dx_t -= features;
+    const float* prev = da_rows + ((s - 1) & 1) * row;
+    float* cur = da_rows + (s & 1) * row;
+    const T* out_n = t > 0 ? out_t - features : hidden_b;  // the next step's rows
+    const T* go_n = t > 0 ? go_t - sgt : go_t;
+#pragma unroll 1
+    for (int i0 = 0; i0 < n_active; i0 += kGroup) {
+      // the loads that refill this group: the next group, or after the last the next step's first
+      const bool last = i0 + kGroup >= n_active;
+      const int n0 = last ? 0 : i0 + kGroup;
+      const T* h_next = (last ? out_n : out_t) + 32 * n0;
+      const T* go_next = (last ? go_n : go_t) + 32 * n0;
+      // this group's h and go as floats, then at once the loads that refill their registers
+      float hf[kGroup], gof[kGroup];
+#pragma unroll
+      for (int u = 0; u < kGroup; ++u) {
+        hf[u] = i0 + u < n_active ? R::to_float(h[u]) : 0.f;
+        gof[u] = R::to_float(go[u]);
+        load_if(n0 + u < n_active, h_next + 32 * u, h[u]);
+        load_if(n0 + u < n_active, go_next + 32 * u, go[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kGroup; ++u) {
+        const int i = i0 + u;
+        const bool on = i < n_active;
+        const float da = (close_row(prev, i, hf[u]) + gof[u]) * (1.f - hf[u] * hf[u]);
+        cur[f0 + 32 * i] = on ? da : 0.f;
+        store_if(on, dx_t + 32 * i, R::from_float(da));
       }
     }
-    __syncthreads();
-    for (int f = threadIdx.x; f < features; f += blockDim.x) {  // g_{t-1}[f] = sum_j w[j] da[f - j + pad]
-      float acc = 0.f;
-      const int lo = max(0, f + pad - features + 1), hi = min(taps, f + pad + 1);
-      for (int j = lo; j < hi; ++j) acc = fmaf(tap[j], da_row[f - j + pad], acc);
-      g[f] = acc;
+    __syncthreads();  // cur is complete; the next step overwrites prev
+  }
+  // h holds hidden (h_0): the last da row's dkernel terms, and g = dhidden
+  const float* last = da_rows + ((time - 1) & 1) * row;
+#pragma unroll 1
+  for (int i0 = 0; i0 < n_active; i0 += kGroup) {
+    const T* h_next = hidden_b + 32 * (i0 + kGroup);
+#pragma unroll
+    for (int u = 0; u < kGroup; ++u) {
+      const int i = i0 + u;
+      const bool on = i < n_active;
+      const float g = close_row(last, i, on ? R::to_float(h[u]) : 0.f);
+      store_if(on, dhidden + b * features + f0 + 32 * i, R::from_float(g));
+      load_if(i0 + kGroup + u < n_active, h_next + 32 * u, h[u]);
     }
   }
-  for (int f = threadIdx.x; f < features; f += blockDim.x) from_float(&dhidden[b * features + f], g[f]);
   // dkernel partials: each warp's sum by shuffles, then the warps' sums in a fixed order
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
 #pragma unroll
-  for (int j = 0; j < kMaxTaps; ++j) {
-    float s = dw[j];
+  for (int k = 0; k < kSlots; ++k) {
+    float s = dw[k];
     for (int offset = 16; offset > 0; offset /= 2) s += __shfl_xor_sync(0xffffffffu, s, offset);
-    if (lane == 0) warp_sums[warp * kMaxTaps + j] = s;
+    if (lane == 0) warp_sums[warp * kSlots + k] = s;
   }
   __syncthreads();
   for (int j = threadIdx.x; j < taps; j += blockDim.x) {
     float s = 0.f;
-    for (int k = 0; k < warps; ++k) s += warp_sums[k * kMaxTaps + j];
+    for (int k = 0; k < warps; ++k) s += warp_sums[k * kSlots + first + j];
     dw_part[b * taps + j] = s;
   }
 }
@@ -184,14 +348,36 @@ template <typename T>
 cudaError_t backward_typed(const void* grad_out, int64_t sgb, int64_t sgt, const void* grad_h, int64_t sghb,
                            const float* w, const void* hidden, int64_t shb, const void* out, void* dx, void* dhidden,
                            float* dw_part, ConvRnnShape s, cudaStream_t stream) {
-  const int threads = static_cast<int>(std::min<int64_t>(kMaxThreads, (s.features + 31) / 32 * 32));
-  const size_t smem = (3 * s.features + kMaxTaps + (threads / 32) * kMaxTaps) * sizeof(float);
-  const auto kernel = convrnn_backward_kernel<T>;
-  if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  kernel<<<static_cast<unsigned>(s.batch), threads, smem, stream>>>(
-      static_cast<const T*>(grad_out), sgb, sgt, static_cast<const T*>(grad_h), sghb, w, static_cast<const T*>(hidden),
-      shb, static_cast<const T*>(out), static_cast<T*>(dx), static_cast<T*>(dhidden), dw_part,
-      static_cast<int>(s.time), static_cast<int>(s.features), static_cast<int>(s.taps));
+  const Launch l = plan(s.features);
+  const dim3 grid(static_cast<unsigned>(s.batch));
+  // two da rows of items * threads with slots / 2 zeros either side, the warps' dkernel sums, and the
+  // run-time tap count's taps
+  const auto args = [&](auto kernel, int slots) {
+    const size_t smem =
+        (2 * (l.items * l.threads + slots / 2 * 2) + l.threads / 32 * slots + kMaxTaps) * sizeof(float);
+    if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    kernel<<<grid, l.threads, smem, stream>>>(
+        static_cast<const T*>(grad_out), sgb, sgt, static_cast<const T*>(grad_h), sghb, w,
+        static_cast<const T*>(hidden), shb, static_cast<const T*>(out), static_cast<T*>(dx), static_cast<T*>(dhidden),
+        dw_part, static_cast<int>(s.time), static_cast<int>(s.features), static_cast<int>(s.taps));
+  };
+  const auto by_taps = [&](auto items) {  // the common tap counts unrolled, the rest at run time
+    constexpr int kItems = decltype(items)::value;
+    switch (s.taps) {
+      case 1: args(convrnn_backward_kernel<T, kItems, 1>, 1); break;
+      case 3: args(convrnn_backward_kernel<T, kItems, 3>, 3); break;
+      case 5: args(convrnn_backward_kernel<T, kItems, 5>, 5); break;
+      case 7: args(convrnn_backward_kernel<T, kItems, 7>, 7); break;
+      default: args(convrnn_backward_kernel<T, kItems, 0>, kMaxTaps); break;
+    }
+  };
+  switch (l.items) {
+    case 1: by_taps(std::integral_constant<int, 1>()); break;
+    case 2: by_taps(std::integral_constant<int, 2>()); break;
+    case 4: by_taps(std::integral_constant<int, 4>()); break;
+    case 8: by_taps(std::integral_constant<int, 8>()); break;
+    default: by_taps(std::integral_constant<int, 16>()); break;
+  }
   return cudaGetLastError();
 }
 
