@@ -40,8 +40,7 @@ def _archs(exts, torch) -> str:
     if not torch.cuda.is_available():
         raise SystemExit(f"{exts.BUILD_ENV}=1: no GPU is visible to pick architectures from; set "
                          f"{exts.ARCHS_ENV} (e.g. {exts.ARCHS_ENV}=9.0 for H100/H200)")
-    caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
-    return ";".join(f"{major}.{minor}" for major, minor in caps)
+    return exts.arch_list(exts.visible_capabilities(torch))
 
 
 def _wanted(exts, request: str) -> dict:

@@ -29,8 +29,8 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from kernelforge.cuda.extensions import (
-    AOT_DIR, AOT_PACKAGE, CSRC, Extension, aot_mismatch, aot_record, compile_flags, debug_requested,
-    discover, read_aot_record, source_digest,
+    AOT_DIR, AOT_PACKAGE, CSRC, Extension, aot_mismatch, aot_record, arch_list, compile_flags, debug_requested,
+    discover, read_aot_record, source_digest, visible_capabilities,
 )
 
 CACHE_ENV = "KERNELFORGE_CACHE_DIR"
@@ -72,8 +72,7 @@ def visible_arch_list() -> str:
         return env
     if not torch.cuda.is_available():
         raise CUDABuildError("no CUDA GPU is visible and TORCH_CUDA_ARCH_LIST is not set: no architecture to build for")
-    caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
-    return ";".join(f"{major}.{minor}" for major, minor in caps)
+    return arch_list(visible_capabilities(torch))
 
 
 @functools.lru_cache(maxsize=None)
@@ -181,8 +180,7 @@ class CUDACompiler:
         expected = aot_record(ext, "", self.cflags, self.cuda_cflags, torch.__version__, torch.version.cuda, python,
                               self.source_dir)
         record = read_aot_record(ext.name, self.aot_dir)
-        capabilities = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
-        why = next(filter(None, (aot_mismatch(record, expected, cap) for cap in sorted(capabilities))), None)
+        why = next(filter(None, (aot_mismatch(record, expected, cap) for cap in visible_capabilities(torch))), None)
         suffixes = importlib.machinery.EXTENSION_SUFFIXES
         libraries = [p for suffix in suffixes for p in self.aot_dir.glob(ext.name + suffix)]
         if why is None and not libraries:

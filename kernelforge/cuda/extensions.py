@@ -87,6 +87,17 @@ def parse_archs(text: str) -> str:
     return ";".join(sorted(archs, key=lambda a: tuple(int(x) for x in re.findall(r"\d+", a))))
 
 
+def visible_capabilities(torch) -> list[tuple[int, int]]:
+    """The distinct compute capabilities of the visible GPUs, ascending (torch passed in: this
+    module imports nothing outside the standard library)."""
+    return sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+
+
+def arch_list(capabilities) -> str:
+    """Compute capabilities as TORCH_CUDA_ARCH_LIST spells them: [(8, 0), (9, 0)] -> "8.0;9.0"."""
+    return ";".join(f"{major}.{minor}" for major, minor in capabilities)
+
+
 def arch_covers(archs: str, capability: tuple[int, int]) -> bool:
     """Whether a library built for `archs` (a TORCH_CUDA_ARCH_LIST) runs on a GPU of `capability`:
     cubins run on their own major version at an equal or higher minor; PTX (+PTX) is compiled by

@@ -56,6 +56,16 @@ def test_which_builds_run_on_which_gpu(archs, capability, runs):
     assert arch_covers(archs, capability) is runs
 
 
+def test_visible_gpus_give_one_architecture_each(monkeypatch):
+    from kernelforge.cuda.extensions import arch_list, visible_capabilities
+
+    caps = {0: (9, 0), 1: (8, 0), 2: (9, 0)}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: caps[i])
+    assert visible_capabilities(torch) == [(8, 0), (9, 0)]
+    assert arch_list(visible_capabilities(torch)) == "8.0;9.0"
+
+
 def _record(**changes):
     ext = EXTENSIONS["softmax"]
     base = aot_record(ext, "9.0", ["-O3"], ["-O3", "-lineinfo"], "2.11.0", "13.0", "3.12")
