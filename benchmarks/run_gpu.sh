@@ -10,8 +10,11 @@
 #   gemm-sweep  benchmarks/gemm_sweep.py $GEMM_SWEEP_ARGS (tile configs and a TMA kernel against cuBLAS)
 #   gemm-overhead  benchmarks/gemm_overhead.py (host cost per kf.gemm call, and its profile)
 #   profile  benchmarks/profile_ops.py $PROFILE_ARGS (device time per kernel, host profile per call)
-#   aot      KERNELFORGE_BUILD_CUDA=1 pip install into /tmp/kfsite; doctor and CUDA op tests against it
-#   memcheck compute-sanitizer --tool memcheck over each of $MEMCHECK_TESTS (FILE or FILE:SECONDS)
+#   aot      KERNELFORGE_BUILD_CUDA=1 pip install into /tmp/kfsite; doctor and CUDA op tests against it;
+#            AOT_INTO_TREE=1 also copies the built libraries into this tree's kernelforge/cuda/_aot/
+#            (later stages of the call then load them instead of building JIT)
+#   memcheck compute-sanitizer --tool memcheck over each of $MEMCHECK_TESTS (FILE or FILE:SECONDS),
+#            $MEMCHECK_K narrowing each file's selection further (e.g. "bf16" / "not bf16" for two halves)
 #   script   python3 $SCRIPT (one benchmark or probe script with its arguments) into script.log
 #   harness  kernelforge bench $BENCH_OPS (default all) --dtype $BENCH_DTYPE (default bf16) --crosscheck
 # Everything lands in $OUT/results/ and is packed into $OUT/results.tgz (the device returns
@@ -90,7 +93,9 @@ for stage in $stages; do
         timeout "${AOT_TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 \
         -k "${AOT_K:-cuda-cuda or opcheck}" ${AOT_TESTS:-tests/ops}) > "$R/aot-gpu-tests.log" 2>&1
       status=$(( status | $? )); head -n 1 "$R/aot-gpu-tests.log"; tail -n 2 "$R/aot-gpu-tests.log"
-      echo "JIT builds during the AOT tests: $(ls /tmp/kf-jit-empty/cuda 2>/dev/null | wc -l)" | tee -a "$R/aot-gpu-tests.log" ;;
+      echo "JIT builds during the AOT tests: $(ls /tmp/kf-jit-empty/cuda 2>/dev/null | wc -l)" | tee -a "$R/aot-gpu-tests.log"
+      [ "${AOT_INTO_TREE:-0}" = 1 ] && cp /tmp/kfsite/kernelforge/cuda/_aot/*.so /tmp/kfsite/kernelforge/cuda/_aot/*.json \
+        kernelforge/cuda/_aot/ ;;
     memcheck)  # compute-sanitizer memcheck over the GPU tests of the CUDA extensions: each file of
                # $MEMCHECK_TESTS in its own process (no xdist: the sanitizer crashed
                # bringing up its workers), the caching allocator off so every out-of-bounds access is seen
@@ -98,6 +103,7 @@ for stage in $stages; do
       for entry in ${MEMCHECK_TESTS:-tests/cuda}; do
         file=${entry%%:*}; limit=${entry#*:}; [ "$limit" = "$entry" ] && limit=${MEMCHECK_TIMEOUT:-200}
         case $file in tests/ops/*) k="cuda-cuda or opcheck[cuda]" ;; *) k="not speed" ;; esac
+        [ -n "${MEMCHECK_K:-}" ] && k="($k) and ($MEMCHECK_K)"
         log="$R/memcheck-$(basename "$file" .py).log"
         PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$limit" compute-sanitizer --tool memcheck \
           --error-exitcode 99 --print-limit 20 python3 -m pytest -m gpu -v -p no:cacheprovider -p no:xdist \

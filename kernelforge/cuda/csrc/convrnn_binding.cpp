@@ -35,23 +35,29 @@ void check_rows(const at::Tensor& t, const char* name, int64_t dims, const at::T
               " must have unit feature stride, got strides ", list(t.strides()));
 }
 
-kc::ConvRnnShape shape_of(const at::Tensor& x_like, const at::Tensor& kernel) {
+// What both directions need before a launch: the shape, checked against the kernels' limits, and the
+// taps as a contiguous float32 vector on the rows' device (the kernels read them in float32).
+struct Prepared {
+  kc::ConvRnnShape shape;
+  at::Tensor taps;
+};
+
+Prepared prepare(const at::Tensor& rows, const at::Tensor& kernel) {
   kc::ConvRnnShape s;
-  s.batch = x_like.size(0), s.time = x_like.size(1), s.features = x_like.size(2), s.taps = kernel.numel();
+  s.batch = rows.size(0), s.time = rows.size(1), s.features = rows.size(2), s.taps = kernel.numel();
   TORCH_CHECK(s.features >= 1 && s.features <= kc::kMaxFeatures, "kernelforge ", kOp,
               ": the CUDA kernels take 1 to ", std::to_string(kc::kMaxFeatures), " features, got ",
               std::to_string(s.features));
   TORCH_CHECK(s.taps % 2 == 1 && s.taps <= kc::kMaxTaps, "kernelforge ", kOp, ": the CUDA kernels take an odd number",
               " of taps up to ", std::to_string(kc::kMaxTaps), ", got ", std::to_string(s.taps));
-  return s;
+  return {s, kernel.reshape({-1}).to(rows.device(), at::kFloat).contiguous()};
 }
 
 std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& kernel, const at::Tensor& hidden) {
   check_rows(x, "x", 3, x);
   check_rows(hidden, "hidden", 2, x);
-  const kc::ConvRnnShape s = shape_of(x, kernel);
   const at::cuda::OptionalCUDAGuard guard(device_of(x));
-  const at::Tensor w = kernel.reshape({-1}).to(x.device(), at::kFloat).contiguous();
+  const auto [s, w] = prepare(x, kernel);
   at::Tensor out = at::empty({s.batch, s.time, s.features}, x.options());
   at::Tensor h_last = at::empty({s.batch, s.features}, x.options());
   check_launch(kc::convrnn_forward(x.data_ptr(), x.stride(0), x.stride(1), w.data_ptr<float>(), hidden.data_ptr(),
@@ -69,9 +75,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& grad_o
   check_rows(grad_out, "grad_out", 3, out);
   check_rows(grad_h, "grad_h", 2, out);
   check_rows(hidden, "hidden", 2, out);
-  const kc::ConvRnnShape s = shape_of(out, kernel);
   const at::cuda::OptionalCUDAGuard guard(device_of(out));
-  const at::Tensor w = kernel.reshape({-1}).to(out.device(), at::kFloat).contiguous();
+  const auto [s, w] = prepare(out, kernel);
   at::Tensor dx = at::empty({s.batch, s.time, s.features}, out.options());
   at::Tensor dhidden = at::empty({s.batch, s.features}, out.options());
   at::Tensor dw_part = at::zeros({s.batch, s.taps}, out.options().dtype(at::kFloat));
