@@ -1,0 +1,293 @@
+"""The five optimization levels of the example models, and the kernels each one runs.
+
+    native       PyTorch eager: F.linear, F.layer_norm / F.rms_norm, F.scaled_dot_product_attention
+    torchscript  the native computation traced by torch.jit.trace, once per input signature
+    compile      the native computation under torch.compile (Inductor)
+    triton       kernelforge ops on their Triton kernels (fused bias + activation GEMMs, fused
+                 residual add + norm, flash attention and flash-decoding, SwiGLU)
+    cuda         kernelforge ops on their CUDA C++ kernels where kernelforge has them (GEMM,
+                 norms, attention forward, activations); the measured choice for the rest
+
+Every level runs the same modules with the same parameters. A model's components call the few
+functions that differ between levels through a kernel set (`TorchKernels` or
+`KernelforgeKernels`) held in one `KernelChoice` that the whole model shares; the level picks
+the kernel set and wraps the computation (tracing, compiling, or a backend preference).
+
+The kernelforge levels set their backend with `kernelforge.prefer_backend` while the model runs.
+Autograd runs the backward later, outside the model's call: train inside
+`with model.kernel_scope():` (forward, loss and backward) for the backward ops to follow the
+level too; outside it they take each op's measured default.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from kernelforge import backends
+
+LEVELS = ("native", "torchscript", "compile", "triton", "cuda")
+KERNELFORGE_LEVELS = ("triton", "cuda")
+
+
+class LevelUnavailableError(RuntimeError):
+    """A level that cannot run here (a GPU level without a GPU, a CUDA level without CUDA)."""
+
+
+def why_level_unavailable(level: str, device: Optional[torch.device] = None) -> Optional[str]:
+    """None when `level` can run on tensors of `device` (default: the GPU if there is one),
+    else the reason in words."""
+    check_level(level)
+    if level not in KERNELFORGE_LEVELS:
+        return None
+    device = torch.device(device) if device is not None else _default_device()
+    if level == "triton":
+        from kernelforge.triton import why_unavailable
+
+        why = why_unavailable(device)
+        return None if why is None else f"the triton level runs Triton kernels: {why} (this is a {device} input)"
+    if device.type != "cuda":
+        return (f"the cuda level runs kernelforge's CUDA C++ kernels, which need a CUDA GPU and CUDA tensors "
+                f"(this is a {device} input)")
+    from kernelforge.cuda import why_unavailable as why_cuda_unavailable
+
+    why = why_cuda_unavailable()
+    return None if why is None else f"the cuda level needs the CUDA toolchain: {why}"
+
+
+def check_level(level: str) -> str:
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+    return level
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# ----------------------------------------------------------------------------- kernel sets
+def _causal_mask(sq: int, sk: int, device: torch.device) -> Optional[torch.Tensor]:
+    """(sq, sk) bool, True = visible, aligned to the bottom right as kernelforge.flash_attention
+    aligns it (SDPA's is_causal aligns to the top left, which differs when sq != sk)."""
+    if sq == sk:
+        return None
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(sk - sq)
+
+
+_TORCH_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda y: F.gelu(y, approximate="tanh"),
+    "silu": F.silu,
+    "relu": F.relu,
+}
+
+
+class TorchKernels:
+    """PyTorch's own functions: what the native, torchscript and compile levels run."""
+
+    name = "torch"
+
+    def linear(self, x, weight, bias=None, activation: Optional[str] = None):
+        y = F.linear(x, weight, bias)
+        return y if activation is None else _TORCH_ACTIVATIONS[activation](y)
+
+    def norm(self, x, weight, bias, eps: float, kind: str):
+        if kind == "rms":
+            y = F.rms_norm(x, (x.shape[-1],), weight, eps)
+            return y if bias is None else y + bias
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+    def add_norm(self, x, residual, weight, bias, eps: float, kind: str):
+        """(norm(x + residual), x + residual): the pre-norm block's residual stream."""
+        h = x + residual
+        return self.norm(h, weight, bias, eps, kind), h
+
+    def attention(self, q, k, v, causal: bool):
+        """q (B, H, Sq, D), k / v (B, H, Sk, D)."""
+        mask = _causal_mask(q.shape[-2], k.shape[-2], q.device) if causal else None
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
+
+    def cached_attention(self, q, cache_k, cache_v, positions):
+        """q (B, H, T, D) of the tokens at `positions` (T,) against a KV cache (B, H, S, D) whose
+        rows up to each query's position are filled. Static shapes (the whole cache, masked), so
+        a trace or a compiled graph serves every decode step."""
+        visible = torch.arange(cache_k.shape[-2], device=q.device)[None, :] <= positions[:, None]
+        return F.scaled_dot_product_attention(q, cache_k, cache_v, attn_mask=visible)
+
+    def swiglu(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class KernelforgeKernels:
+    """kernelforge's fused ops: what the triton and cuda levels run (the backend comes from the
+    level's preference, set around the call)."""
+
+    name = "kernelforge"
+
+    def linear(self, x, weight, bias=None, activation: Optional[str] = None):
+        import kernelforge as kf
+
+        return kf.gemm(x, weight.t(), bias=bias, activation=activation)  # W read transposed in place
+
+    def norm(self, x, weight, bias, eps: float, kind: str):
+        import kernelforge as kf
+
+        if kind == "rms":
+            return kf.rms_norm(x, weight, eps, bias=bias)
+        return kf.layer_norm(x, weight, bias, eps)
+
+    def add_norm(self, x, residual, weight, bias, eps: float, kind: str):
+        import kernelforge as kf
+
+        if kind == "rms":
+            return kf.add_rms_norm(x, residual, weight, eps, bias=bias)
+        return kf.add_layer_norm(x, residual, weight, bias, eps)
+
+    def attention(self, q, k, v, causal: bool):
+        import kernelforge as kf
+
+        return kf.flash_attention(q, k, v, causal=causal)
+
+    def cached_attention(self, q, cache_k, cache_v, positions):
+        """Attends over the filled part of the cache only (flash-decoding splits those keys);
+        the positions are consecutive, so causal bottom-right alignment is exact."""
+        import kernelforge as kf
+
+        end = int(positions[-1]) + 1
+        return kf.flash_attention(q, cache_k[:, :, :end], cache_v[:, :, :end], causal=True)
+
+    def swiglu(self, gate_up):
+        import kernelforge as kf
+
+        return kf.swiglu(gate_up)
+
+
+TORCH_KERNELS = TorchKernels()
+KERNELFORGE_KERNELS = KernelforgeKernels()
+
+
+class KernelChoice:
+    """The kernel set a whole model uses right now (one object shared by its components)."""
+
+    def __init__(self):
+        self.ops = TORCH_KERNELS
+
+
+class Component(torch.nn.Module):
+    """A building block whose math goes through `self.kernels.ops`. Standalone it has its own
+    KernelChoice; inside a LevelledModel it shares the model's."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernels = KernelChoice()
+
+
+# ----------------------------------------------------------------------------- levels
+class _Method(torch.nn.Module):
+    """One method of a model as a module's forward (what torch.jit.trace and torch.compile take);
+    the model is a submodule, so the traced or compiled graph uses its parameters."""
+
+    def __init__(self, model: torch.nn.Module, method: str):
+        super().__init__()
+        self.model = model
+        self.method = method
+
+    def forward(self, *inputs):
+        return getattr(self.model, self.method)(*inputs)
+
+
+def _signature(inputs: tuple) -> tuple:
+    return tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) if isinstance(t, torch.Tensor) else t
+                 for t in inputs)
+
+
+class LevelledModel(Component):
+    """A model that runs at one of LEVELS. Subclasses compute in methods named by `run`;
+    `forward` runs `compute` at the model's level."""
+
+    def _init_level(self, level: str) -> None:
+        """Call at the end of a subclass's __init__: shares one KernelChoice with every
+        component and sets the level."""
+        for module in self.modules():
+            if isinstance(module, Component):
+                module.kernels = self.kernels
+        self._wrapped: dict = {}
+        self.set_level(level)
+
+    @property
+    def level(self) -> str:
+        return self._level
+
+    def set_level(self, level: str) -> "LevelledModel":
+        """Switch levels (same parameters). Raises LevelUnavailableError when the level cannot run
+        on this machine at all; a level that cannot take the inputs' device raises at the call."""
+        check_level(level)
+        if level in KERNELFORGE_LEVELS and not torch.cuda.is_available():
+            why = why_level_unavailable(level, torch.device("cpu"))
+            if why is not None:
+                raise LevelUnavailableError(f"{type(self).__name__}(level={level!r}): no CUDA GPU is visible; {why}")
+        self._level = level
+        self._wrapped = {}
+        return self
+
+    def kernel_scope(self):
+        """The backend preference of a kernelforge level (a null context at the other levels).
+        Wrap the training step in it so autograd's backward ops follow the level too."""
+        if self._level in KERNELFORGE_LEVELS:
+            return backends.prefer_backend(self._level)
+        return contextlib.nullcontext()
+
+    def kernelforge_patch(self) -> str:
+        """kernelforge.patch's hook: move to the fastest kernelforge level this machine runs."""
+        for level in ("triton", "cuda") if torch.cuda.is_available() else ("triton",):
+            if why_level_unavailable(level, next(self.parameters()).device) is None:
+                self.set_level(level)
+                return f"level set to {level!r}"
+        return "left at level 'native': no GPU here for the kernelforge levels"
+
+    def __getstate__(self):
+        # traces and compiled graphs hold the model itself: a copy starts without them
+        return {**self.__dict__, "_wrapped": {}}
+
+    def forward(self, *inputs):
+        return self.run("compute", *inputs)
+
+    def run(self, method: str, *inputs):
+        """self.<method>(*inputs) at the model's level."""
+        level = self._level
+        if level in KERNELFORGE_LEVELS:
+            device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), None)
+            why = why_level_unavailable(level, device)
+            if why is not None:
+                raise LevelUnavailableError(f"{type(self).__name__} at level {level!r}: {why}")
+            self.kernels.ops = KERNELFORGE_KERNELS
+            try:
+                with backends.prefer_backend(level):
+                    return getattr(self, method)(*inputs)
+            finally:
+                self.kernels.ops = TORCH_KERNELS
+        self.kernels.ops = TORCH_KERNELS
+        if level == "native":
+            return getattr(self, method)(*inputs)
+        if level == "compile":
+            compiled = self._wrapped.get(method)
+            if compiled is None:
+                compiled = self._wrapped[method] = torch.compile(_Method(self, method))
+            return compiled(*inputs)
+        # torchscript: one trace per input signature (shapes, dtypes, mode), since a trace
+        # records the shapes it saw; the per-shape retrace makes its shape warnings moot.
+        key = (method, _signature(inputs), self.training, torch.is_grad_enabled())
+        traced = self._wrapped.get(key)
+        if traced is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", torch.jit.TracerWarning)
+                traced = self._wrapped[key] = torch.jit.trace(_Method(self, method), inputs, check_trace=False)
+        return traced(*inputs)
+
+
+__all__ = ["KERNELFORGE_LEVELS", "LEVELS", "Component", "KernelforgeKernels", "LevelUnavailableError",
+           "LevelledModel", "TorchKernels", "why_level_unavailable"]
