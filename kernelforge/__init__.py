@@ -8,7 +8,7 @@
     print(kf.explain("softmax", x))
 """
 from kernelforge import nn, ops  # noqa: F401  (ops registers the torch.library operators)
-from kernelforge.backends import BackendUnsupportedError, explain, use_backend
+from kernelforge.backends import BackendUnsupportedError, explain, prefer_backend, use_backend
 from kernelforge.block_mask import BlockMask, dilated_block_mask, local_global_block_mask, sliding_window_block_mask
 from kernelforge.ops.activations import bias_gelu, bias_silu, gelu, relu, silu
 from kernelforge.ops.attention import flash_attention
@@ -25,5 +25,5 @@ __version__ = "0.1.0"
 __all__ = ["BackendUnsupportedError", "BlockMask", "add_layer_norm", "add_rms_norm", "bias_gelu", "bias_silu",
            "convrnn", "convrnn_forward", "cpu_fused_attention", "dilated_block_mask", "explain", "flash_attention",
            "geglu", "gelu", "gemm", "gpu_kernel", "layer_norm", "local_global_block_mask", "log_softmax", "nn",
-           "optimized_cpu_attention", "precision", "relu", "rms_norm", "silu", "sliding_window_block_mask", "softmax",
+           "optimized_cpu_attention", "precision", "prefer_backend", "relu", "rms_norm", "silu", "sliding_window_block_mask", "softmax",
            "swiglu", "use_backend"]

@@ -9,12 +9,18 @@ Policy, in order:
 1. A forced backend (`use_backend(...)` context, else the `KERNELFORGE_BACKEND`
    environment variable) runs, or the call raises `BackendUnsupportedError` saying
    why; it never falls back silently.
-2. Otherwise the op's preference rules pick the first backend, in the rule's
+2. A preferred backend (`prefer_backend(...)` context) runs where the op has it and it
+   takes the inputs; elsewhere step 3 decides (the example models' "cuda" level: CUDA C++
+   kernels where kernelforge has them, the measured order for the rest).
+3. Otherwise the op's preference rules pick the first backend, in the rule's
    order, that supports the inputs. The rules are the fastest-first orders measured
    on our GPUs (see `kernelforge/ops/<op>.py`); CPU inputs go to the reference.
+
+`recording()` collects which backend each op call ran on, to show what a model used.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib
 import os
@@ -70,6 +76,10 @@ _choices: dict[tuple, Choice] = {}
 # autograd runs backward ops on its own threads, and a forced backend must govern them
 # too; a thread- or context-local setting would silently not.
 _forced: list[Optional[str]] = [None]
+# The backend preferred by prefer_backend(), process-wide for the same reason.
+_preferred: list[Optional[str]] = [None]
+# Counters of (op, backend) per selection, while recording() blocks are open.
+_recorders: list[collections.Counter] = []
 
 
 def register(op: str, backend: str, module: str, supports: SupportPredicate) -> None:
@@ -124,6 +134,31 @@ def use_backend(name: Optional[str]) -> Iterator[None]:
         _forced[0] = previous
 
 
+@contextlib.contextmanager
+def prefer_backend(name: Optional[str]) -> Iterator[None]:
+    """Inside the block, every op runs on `name` where it has that backend and the backend
+    takes the inputs, and on its usual choice otherwise (no error). Process-wide, as
+    use_backend; a forced backend still wins."""
+    previous = _preferred[0]
+    _preferred[0] = None if name is None else _validate(name, "prefer_backend")
+    try:
+        yield
+    finally:
+        _preferred[0] = previous
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[collections.Counter]:
+    """Counts the backend chosen for each op call inside the block: {(op, backend): calls}.
+    The backward ops count too when autograd runs them inside the block."""
+    counter: collections.Counter = collections.Counter()
+    _recorders.append(counter)
+    try:
+        yield counter
+    finally:
+        _recorders.remove(counter)
+
+
 def forced_backend() -> Optional[str]:
     """The backend forced by `use_backend`, else by KERNELFORGE_BACKEND, else None."""
     name = _forced[0]
@@ -135,19 +170,29 @@ def forced_backend() -> Optional[str]:
 
 def select(op: str, *inputs, **options) -> Choice:
     """The implementation that runs `op` on these inputs, and why."""
-    forced = forced_backend()
+    forced, preferred = forced_backend(), _preferred[0]
     key_fn = _choice_keys.get(op)
     if key_fn is None:
-        return _select(op, forced, inputs, options)
-    key = (op, forced, key_fn(*inputs, **options))
-    choice = _choices.get(key)
-    if choice is None:
-        choice = _choices[key] = _select(op, forced, inputs, options)
+        choice = _select(op, forced, preferred, inputs, options)
+    else:
+        key = (op, forced, preferred, key_fn(*inputs, **options))
+        choice = _choices.get(key)
+        if choice is None:
+            choice = _choices[key] = _select(op, forced, preferred, inputs, options)
+    for counter in _recorders:
+        counter[(op, choice.backend)] += 1
     return choice
 
 
-def _select(op: str, forced: Optional[str], inputs: tuple, options: dict) -> Choice:
+def _select(op: str, forced: Optional[str], preferred: Optional[str], inputs: tuple, options: dict) -> Choice:
     impls = implementations(op)
+    if forced is None and preferred is not None:
+        impl = impls.get(preferred)
+        why_not = f"{op} has no {preferred} implementation" if impl is None else impl.supports(*inputs, **options)
+        if why_not is None:
+            return Choice(impl, f"{preferred} was preferred")
+        choice = _select(op, None, None, inputs, options)
+        return Choice(choice.implementation, f"{choice.reason} ({preferred} was preferred but: {why_not})")
     if forced is not None:
         impl = impls.get(forced)
         if impl is None:

@@ -66,3 +66,36 @@ def test_choices_are_cached_per_input_class_and_forgotten_on_demand():
     backends.forget_choices()  # e.g. after an extension failed to build
     again = backends.select("softmax", x)
     assert again is not first and again.backend == first.backend
+
+
+def test_preferred_backend_runs_where_it_can_and_the_usual_choice_elsewhere(monkeypatch):
+    x = torch.randn(4, 8)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # Triton must not take CPU tensors here
+    with kf.prefer_backend("cuda"):
+        choice = backends.select("softmax", x)
+        assert choice.backend == "reference"
+        assert choice.reason.endswith("(cuda was preferred but: the CUDA extension runs on CUDA tensors, "
+                                      "got a cpu tensor)")
+        torch.testing.assert_close(kf.softmax(x), torch.softmax(x, -1))
+    with kf.prefer_backend("reference"):
+        assert backends.select("softmax", x).reason == "reference was preferred"
+        with kf.use_backend("cuda"):  # forcing still wins, and still raises
+            with pytest.raises(kf.BackendUnsupportedError, match="'cuda' is forced"):
+                kf.softmax(x)
+    assert backends.select("softmax", x).reason.startswith("the reference is the CPU implementation")
+    with pytest.raises(ValueError, match=r"prefer_backend: unknown backend 'cudnn'"):
+        with kf.prefer_backend("cudnn"):
+            pass
+
+
+def test_recording_counts_each_call_with_its_backend():
+    x = torch.randn(4, 8, requires_grad=True)
+    with backends.recording() as outer:
+        kf.softmax(x)
+        with backends.recording() as inner:
+            kf.log_softmax(x).sum().backward()
+    assert outer[("softmax", "reference")] >= 2  # softmax, log_softmax (and its backward when it selects)
+    assert sum(inner.values()) >= 1 and sum(outer.values()) > sum(inner.values())
+    closed = dict(outer)
+    kf.softmax(x)
+    assert dict(outer) == closed  # a closed counter no longer changes

@@ -30,7 +30,11 @@ import torch.nn.functional as F
 from kernelforge import backends
 
 LEVELS = ("native", "torchscript", "compile", "triton", "cuda")
-KERNELFORGE_LEVELS = ("triton", "cuda")
+# "reference" is a sixth level outside the five: kernelforge's ops on their pure-PyTorch reference
+# implementations (what they run on a CPU). It runs anywhere; the CPU tests train with it, as it
+# exercises kernelforge's registered ops and their hand-written backward formulas.
+EXTRA_LEVELS = ("reference",)
+KERNELFORGE_LEVELS = ("triton", "cuda", "reference")
 
 
 class LevelUnavailableError(RuntimeError):
@@ -41,7 +45,7 @@ def why_level_unavailable(level: str, device: Optional[torch.device] = None) -> 
     """None when `level` can run on tensors of `device` (default: the GPU if there is one),
     else the reason in words."""
     check_level(level)
-    if level not in KERNELFORGE_LEVELS:
+    if level not in KERNELFORGE_LEVELS or level == "reference":
         return None
     device = torch.device(device) if device is not None else _default_device()
     if level == "triton":
@@ -59,8 +63,8 @@ def why_level_unavailable(level: str, device: Optional[torch.device] = None) -> 
 
 
 def check_level(level: str) -> str:
-    if level not in LEVELS:
-        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+    if level not in LEVELS + EXTRA_LEVELS:
+        raise ValueError(f"level must be one of {LEVELS} (or {EXTRA_LEVELS[0]!r}), got {level!r}")
     return level
 
 
@@ -226,7 +230,7 @@ class LevelledModel(Component):
         """Switch levels (same parameters). Raises LevelUnavailableError when the level cannot run
         on this machine at all; a level that cannot take the inputs' device raises at the call."""
         check_level(level)
-        if level in KERNELFORGE_LEVELS and not torch.cuda.is_available():
+        if level in ("triton", "cuda") and not torch.cuda.is_available():
             why = why_level_unavailable(level, torch.device("cpu"))
             if why is not None:
                 raise LevelUnavailableError(f"{type(self).__name__}(level={level!r}): no CUDA GPU is visible; {why}")
@@ -242,12 +246,13 @@ class LevelledModel(Component):
         return contextlib.nullcontext()
 
     def kernelforge_patch(self) -> str:
-        """kernelforge.patch's hook: move to the fastest kernelforge level this machine runs."""
-        for level in ("triton", "cuda") if torch.cuda.is_available() else ("triton",):
-            if why_level_unavailable(level, next(self.parameters()).device) is None:
-                self.set_level(level)
-                return f"level set to {level!r}"
-        return "left at level 'native': no GPU here for the kernelforge levels"
+        """kernelforge.patch's hook: run on kernelforge's ops from now on. On a GPU that is the
+        triton level (Triton kernels exist for every op the models use); on a CPU, where
+        kernelforge's ops run their reference implementations, the reference level."""
+        device = next(self.parameters()).device
+        level = "triton" if device.type == "cuda" else "reference"
+        self.set_level(level)
+        return f"level set to {level!r} (its parameters are on {device.type})"
 
     def __getstate__(self):
         # traces and compiled graphs hold the model itself: a copy starts without them
@@ -289,5 +294,5 @@ class LevelledModel(Component):
         return traced(*inputs)
 
 
-__all__ = ["KERNELFORGE_LEVELS", "LEVELS", "Component", "KernelforgeKernels", "LevelUnavailableError",
+__all__ = ["EXTRA_LEVELS", "KERNELFORGE_LEVELS", "LEVELS", "Component", "KernelforgeKernels", "LevelUnavailableError",
            "LevelledModel", "TorchKernels", "why_level_unavailable"]
