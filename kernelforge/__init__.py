@@ -17,6 +17,7 @@ from kernelforge.ops.gated_activations import geglu, swiglu
 from kernelforge.ops.gemm import gemm, precision
 from kernelforge.ops.norms import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from kernelforge.ops.softmax import log_softmax, softmax
+from kernelforge.patching import patch
 from kernelforge.policy import gpu_kernel
 from kernelforge.reference.attention import cpu_fused_attention, optimized_cpu_attention
 
@@ -25,5 +26,5 @@ __version__ = "0.1.0"
 __all__ = ["BackendUnsupportedError", "BlockMask", "add_layer_norm", "add_rms_norm", "bias_gelu", "bias_silu",
            "convrnn", "convrnn_forward", "cpu_fused_attention", "dilated_block_mask", "explain", "flash_attention",
            "geglu", "gelu", "gemm", "gpu_kernel", "layer_norm", "local_global_block_mask", "log_softmax", "nn",
-           "optimized_cpu_attention", "precision", "prefer_backend", "relu", "rms_norm", "silu", "sliding_window_block_mask", "softmax",
-           "swiglu", "use_backend"]
+           "optimized_cpu_attention", "patch", "precision", "prefer_backend", "relu", "rms_norm", "silu",
+           "sliding_window_block_mask", "softmax", "swiglu", "use_backend"]
