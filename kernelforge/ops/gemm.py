@@ -292,8 +292,11 @@ def _gemm(a, b, bias, residual, activation: str, compute: str, out_dtype: torch.
         sa3, sb3 = _batched_scales(scale_a, scale_b, a.shape, batch, M, N, folded)
         scales = dict(scale_a=sa3, scale_b=sb3, fast_accum=fp8_fast_accum)
     out, preact = launchers.gemm(a3, b3, bias, res3, act, compute, out_dtype, save_preact, **scales)
-    preact = preact.view(shape) if save_preact else out.new_empty(0)
-    return out.view(shape), preact
+    # _unsafe_view, not view: autograd would take a view returned from the autograd.Function as
+    # "a view created inside a custom Function" and refuse in-place ops on it (y = linear(x);
+    # y.relu_()), which torch.nn.Linear's output allows. The launcher's tensor is nobody else's.
+    preact = torch.ops.aten._unsafe_view(preact, shape) if save_preact else out.new_empty(0)
+    return torch.ops.aten._unsafe_view(out, shape), preact
 
 
 def _fake(a, b, bias, residual, activation, compute, out_dtype, save_preact, scale_a=None, scale_b=None,

@@ -48,3 +48,20 @@ def test_bad_input_is_named():
         kf.nn.Linear(4, 3, activation="tanh")
     with pytest.raises(ValueError, match="precision must be one of"):
         kf.nn.Linear(4, 3, precision="int8")
+
+
+@pytest.mark.parametrize("shape", [(24,), (7, 24), (2, 3, 24)], ids=str)
+def test_output_can_be_modified_in_place(shape):
+    # As torch.nn.Linear's: y = fc(x); y.relu_() or y += r must work and differentiate (a view
+    # returned from the op's autograd.Function would be refused by autograd).
+    theirs = torch.nn.Linear(24, 10)
+    mine = kf.nn.Linear.from_torch(theirs)
+    x = torch.randn(shape, requires_grad=True)
+    y, ref = mine(x), theirs(x)
+    y.mul_(2.0).relu_()
+    ref = ref.mul_(2.0).relu_()
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(y)
+    for a, b in zip(torch.autograd.grad(y, [x, mine.weight, mine.bias], g),
+                    torch.autograd.grad(ref, [x, theirs.weight, theirs.bias], g)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
