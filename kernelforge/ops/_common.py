@@ -68,3 +68,13 @@ def plain_eager_call(x: torch.Tensor, *others: Optional[torch.Tensor]) -> bool:
         and not torch._C._is_torch_function_mode_enabled()
         and not torch._C._are_functorch_transforms_active()
     )
+
+
+def not_a_view(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """`t` (a launcher's result, reshaped back to the input's layout) as a tensor that is not a
+    view, on the same memory. What an eager autograd.Function returns must not be a view: autograd
+    refuses in-place ops on "a view created inside a custom Function" (y = norm(x); y += r),
+    which torch's own modules' outputs allow. No copy: the memory is nobody else's."""
+    if t is None or not t._is_view():
+        return t
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())

@@ -31,8 +31,8 @@ import torch
 
 from kernelforge import backends
 from kernelforge._rows import empty_rows_output, from_rows, rows_view
-from kernelforge.ops._common import (FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, plain_eager_call,
-                                     require)
+from kernelforge.ops._common import (FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, not_a_view,
+                                     plain_eager_call, require)
 from kernelforge.reference.activations import KINDS, activation_derivative, activation_second_derivative
 
 OP = "activation"  # backend registry name (kernelforge.explain(OP, x, bias=..., kind=...))
@@ -289,7 +289,7 @@ class _EagerActivation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, kind):
         _save_all_and_kind(ctx, (x, bias, kind), None)
-        return _activation(x, bias, kind)
+        return not_a_view(_activation(x, bias, kind))
 
     @staticmethod
     def backward(ctx, grad_output):

@@ -25,7 +25,8 @@ import torch
 
 from kernelforge import backends
 from kernelforge.block_mask import _TENSOR_FIELDS, BlockMask
-from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, plain_eager_call
+from kernelforge.ops._common import (FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, not_a_view,
+                                     plain_eager_call)
 from kernelforge.reference.attention import Visibility
 
 OP = "attention"
@@ -244,6 +245,7 @@ class _EagerAutograd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, vis):
         out, lse = _forward(q, k, v, scale, vis)
+        out = not_a_view(out)  # before saving: an in-place op on it must bump the saved out's version
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.vis = scale, vis
         ctx.mark_non_differentiable(lse)

@@ -26,8 +26,8 @@ import torch
 
 from kernelforge import backends
 from kernelforge._rows import empty_rows_output, from_rows, rows_view
-from kernelforge.ops._common import (FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, plain_eager_call,
-                                     require)
+from kernelforge.ops._common import (FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, not_a_view,
+                                     plain_eager_call, require)
 from kernelforge.ops.activations import (_acc, _check_kind, _check_same_as, _gelu_kind, _needs_grad, _preference,
                                          _row_dim, _save_all_and_kind, _why_not_reference)
 from kernelforge.reference.activations import activation_derivative, activation_second_derivative, activation_value
@@ -246,7 +246,7 @@ class _EagerGated(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, kind):
         _save_all_and_kind(ctx, (gate, up, kind), None)
-        return _gated(gate, up, kind)
+        return not_a_view(_gated(gate, up, kind))
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -259,7 +259,7 @@ class _EagerGatedPacked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate_up, kind):
         _save_all_and_kind(ctx, (gate_up, kind), None)
-        return _gated_packed(gate_up, kind)
+        return not_a_view(_gated_packed(gate_up, kind))
 
     @staticmethod
     def backward(ctx, grad_output):

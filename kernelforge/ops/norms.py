@@ -31,8 +31,8 @@ from typing import Optional, Sequence
 import torch
 
 from kernelforge import backends
-from kernelforge.ops._common import (FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, plain_eager_call,
-                                     require)
+from kernelforge.ops._common import (FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, not_a_view,
+                                     plain_eager_call, require)
 
 OP = "norms"  # the backend registry's name for the family: the norms share kernels and rules
 
@@ -335,7 +335,8 @@ class _EagerNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, v: _Variant, x, residual, normalized_shape, weight, bias, eps, offset):
-        outputs = _forward(v, x, residual, normalized_shape, weight, bias, eps, offset)
+        # not_a_view before saving: an in-place op on an output must bump the saved one's version.
+        outputs = tuple(not_a_view(o) for o in _forward(v, x, residual, normalized_shape, weight, bias, eps, offset))
         _save_for_backward(ctx, v, x, normalized_shape, weight, bias, eps, offset, outputs)
         ctx.variant = v
         _, _, mean, rstd = v.split_outputs(outputs)

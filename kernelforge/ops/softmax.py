@@ -21,6 +21,7 @@ import torch
 from kernelforge import backends
 from kernelforge._rows import empty_rows_output, from_rows, rows_view, run_rows
 from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, normalize_dim
+from kernelforge.ops._common import not_a_view
 from kernelforge.ops._common import plain_eager_call as _plain_eager_call
 
 OP = "softmax"  # the backend registry's name for the family (softmax and log_softmax)
@@ -123,7 +124,7 @@ class _EagerAutograd(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, dim: int, name: str, log: bool):
-        y = _forward(name, x, dim, log)
+        y = not_a_view(_forward(name, x, dim, log))  # before saving: in-place ops must bump the saved y's version
         ctx.save_for_backward(y)
         ctx.dim, ctx.name, ctx.log = dim, name, log
         return y
