@@ -341,10 +341,15 @@ def patch(model: torch.nn.Module) -> Replacements:
         layer = torch.nn.TransformerEncoderLayer(64, 4, dropout=0.0, activation="gelu")
         model = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
         for r in kernelforge.patch(model):
-            print(f"{r.name}: {r.old} -> {r.new} ({r.note})")
-        # layers.0.self_attn: torch.nn.MultiheadAttention -> kernelforge.patching.MultiheadAttention (...)
-        # layers.0.linear1: torch.nn.Linear -> kernelforge.nn.Linear (kernelforge gemm with ... fused in ...)
-        # ...
+            print(f"{r.name}: {r.old} -> {r.new}")
+        # layers.0.linear1: torch.nn.Linear -> kernelforge.nn.Linear        (note: gelu fused in)
+        # layers.0.activation: torch.nn.functional.gelu -> torch.nn.Identity
+        # layers.0.self_attn: torch.nn.MultiheadAttention -> kernelforge.patching.MultiheadAttention
+        # layers.0.linear2: torch.nn.Linear -> kernelforge.nn.Linear
+        # layers.0.norm1: torch.nn.LayerNorm -> kernelforge.nn.LayerNorm
+        # layers.0.norm2: torch.nn.LayerNorm -> kernelforge.nn.LayerNorm
+        # layers.0: torch.nn.TransformerEncoderLayer -> torch.nn.TransformerEncoderLayer  (fast path off)
+        # layers.1.linear1: ...
 
     See the module docstring (kernelforge.patching) for what is replaced by what.
     """
