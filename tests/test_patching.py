@@ -436,35 +436,57 @@ def test_seq_first_mha_adapter_cross_attention_and_positional_arguments():
                                                                        need_weights=False)[0])  # unbatched
 
 
-# ----------------------------------------------------------------------------- GPU
+# ----------------------------------------------------------------------------- against float64 (and the GPU)
 def error(out, oracle):
     return (out.double() - oracle).abs().max().item()
+
+
+def check_against_float64(device, dtype, batch_first, norm_first, mask_kind, kf_calls):
+    """The patched encoder and torch's at `dtype`, both measured against the unpatched encoder in
+    float64: the patched one may err at most twice as much plus a floor (tests/numerics.py's
+    rule), for the output and every gradient."""
+    base = encoder("gelu", batch_first, norm_first, nhead=4)
+    oracle_model = copy.deepcopy(base).to(device, torch.float64)
+    model, ref = copy.deepcopy(base).to(device, dtype), copy.deepcopy(base).to(device, dtype)
+    kf.patch(model)
+    x, kwargs = inputs(batch_first, mask_kind, torch.float64, device)  # masks are bool: any dtype takes them
+    xo, xa, xb = x.clone().requires_grad_(), x.to(dtype).requires_grad_(), x.to(dtype).requires_grad_()
+    out, expected, oracle = model(xa, **kwargs), ref(xb, **kwargs), oracle_model(xo, **kwargs)
+    assert kf_calls["flash_attention"] == 2 and kf_calls["gemm"] == 4 and kf_calls["layer_norm"] == 4
+    floor = {torch.bfloat16: 2 ** -8, torch.float32: 2 ** -21}[dtype]
+    g = torch.randn_like(oracle)
+    pairs = [(out, expected, oracle)] + list(zip(
+        grads(out, [xa, *model.parameters()], g.to(dtype)), grads(expected, [xb, *ref.parameters()], g.to(dtype)),
+        grads(oracle, [xo, *oracle_model.parameters()], g)))
+    for mine, theirs, exact in pairs:
+        scale = max(exact.abs().max().item(), 1.0)
+        assert error(mine, exact) <= 2 * error(theirs, exact) + 4 * floor * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("mask_kind", ["padding", "causal"])
+def test_against_float64_cpu(dtype, mask_kind, kf_calls):
+    check_against_float64("cpu", dtype, True, False, mask_kind, kf_calls)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 class TestPatchedEncoderOnGPU:
-    """The patched encoder against torch's at the same dtype on CUDA, both measured against the
-    unpatched encoder in float64: the patched one may err at most twice as much plus a floor
-    (tests/numerics.py's rule), for the output and every gradient."""
+    """The TransformerEncoder comparison on CUDA (Triton / CUDA backends), bf16 and fp32."""
 
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
     @pytest.mark.parametrize("batch_first,norm_first", [(True, False), (False, True)], ids=["bf_post", "sf_pre"])
     @pytest.mark.parametrize("mask_kind", ["padding", "causal"])
     def test_matches_torch(self, dtype, batch_first, norm_first, mask_kind, kf_calls):
-        base = encoder("gelu", batch_first, norm_first, nhead=4)
-        oracle_model = copy.deepcopy(base).double().cuda()
-        model, ref = copy.deepcopy(base).to("cuda", dtype), copy.deepcopy(base).to("cuda", dtype)
+        check_against_float64("cuda", dtype, batch_first, norm_first, mask_kind, kf_calls)
+
+    @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+    def test_fp32_matches_unpatched(self, train, kf_calls):
+        model = encoder(F.gelu, False, True).cuda().train(train)
+        ref = copy.deepcopy(model)
         kf.patch(model)
-        x, kwargs = inputs(batch_first, mask_kind, torch.float64, "cuda")
-        xo, xa, xb = (x.to(t).requires_grad_() for t in (torch.float64, dtype, dtype))  # masks are bool
-        out, expected, oracle = model(xa, **kwargs), ref(xb, **kwargs), oracle_model(xo, **kwargs)
-        assert kf_calls["flash_attention"] == 2 and kf_calls["gemm"] == 4
-        floor = {torch.bfloat16: 2 ** -8, torch.float32: 2 ** -21}[dtype]
-        g = torch.randn_like(oracle)
-        pairs = [(out, expected, oracle)] + list(zip(
-            grads(out, [xa, *model.parameters()], g.to(dtype)), grads(expected, [xb, *ref.parameters()], g.to(dtype)),
-            grads(oracle, [xo, *oracle_model.parameters()], g)))
-        for mine, theirs, exact in pairs:
-            scale = max(exact.abs().max().item(), 1.0)
-            assert error(mine, exact) <= 2 * error(theirs, exact) + 4 * floor * scale
+        x, kwargs = inputs(False, "causal_padding", device="cuda")
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out = model(xa, **kwargs)
+        assert kf_calls == {"flash_attention": 2, "layer_norm": 4, "gemm": 4}
+        check_same(out, ref(xb, **kwargs), [xa, *model.parameters()], [xb, *ref.parameters()], rtol=1e-4)
