@@ -4,10 +4,13 @@ same outputs at every level, within the dtype's tolerance.
 
     from kernelforge.models import LanguageModel
     model = LanguageModel(vocab_size=256, dim=128, n_layers=2, n_heads=4, max_seq_len=256, level="triton")
+    gnn = GraphNeuralNetwork(node_features=64, hidden=128, num_classes=10, layers=3, aggregation="mean")
+    logits = gnn(x, edge_index, batch)    # (N, 64), (2, E) [source, target], (N,) -> (graphs, 10)
 
 The design documents' names are aliases: KernelOptimizedLanguageModel,
 KernelOptimizedVisionTransformer, KernelOptimizedGraphNeuralNetwork.
 """
+from kernelforge.models.graph_neural_network import GraphNeuralNetwork, GraphNeuralNetworkConfig
 from kernelforge.models.language_model import LanguageModel, LanguageModelConfig
 from kernelforge.models.levels import KERNELFORGE_LEVELS, LEVELS, LevelUnavailableError, why_level_unavailable
 from kernelforge.models.transformer import BlockConfig, OptimizedTransformerBlock
@@ -15,7 +18,9 @@ from kernelforge.models.vision_transformer import VisionTransformer, VisionTrans
 
 KernelOptimizedLanguageModel = LanguageModel
 KernelOptimizedVisionTransformer = VisionTransformer
+KernelOptimizedGraphNeuralNetwork = GraphNeuralNetwork
 
-__all__ = ["BlockConfig", "KERNELFORGE_LEVELS", "KernelOptimizedLanguageModel", "KernelOptimizedVisionTransformer",
+__all__ = ["BlockConfig", "GraphNeuralNetwork", "GraphNeuralNetworkConfig", "KERNELFORGE_LEVELS",
+           "KernelOptimizedGraphNeuralNetwork", "KernelOptimizedLanguageModel", "KernelOptimizedVisionTransformer",
            "LEVELS", "LanguageModel", "LanguageModelConfig", "LevelUnavailableError", "OptimizedTransformerBlock",
            "VisionTransformer", "VisionTransformerConfig", "why_level_unavailable"]
