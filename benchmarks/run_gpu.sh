@@ -15,6 +15,7 @@
 #            (later stages of the call then load them instead of building JIT)
 #   memcheck compute-sanitizer --tool memcheck over each of $MEMCHECK_TESTS (FILE or FILE:SECONDS),
 #            $MEMCHECK_K narrowing each file's selection further (e.g. "bf16" / "not bf16" for two halves)
+#   demo     kernelforge demo $DEMO_ARGS (the example models at every level: table, JSON, plot) into demo/
 #   script   python3 $SCRIPT (one benchmark or probe script with its arguments) into script.log
 #   harness  kernelforge bench $BENCH_OPS (default all) --dtype $BENCH_DTYPE (default bf16) --crosscheck
 # Everything lands in $OUT/results/ and is packed into $OUT/results.tgz (the device returns
@@ -110,6 +111,9 @@ for stage in $stages; do
           -k "$k" "$file" > "$log" 2>&1
         rc=$?; status=$(( status | rc )); echo "$file: exit $rc"; grep -E "ERROR SUMMARY|passed|failed" "$log" | tail -n 3
       done ;;
+    demo)
+      timeout "${DEMO_TIMEOUT:-400}" python3 -m kernelforge.cli demo --out "$R/demo" ${DEMO_ARGS:-} > "$R/demo.log" 2>&1
+      status=$(( status | $? )); tail -n 30 "$R/demo.log" ;;
     script)  # any one script: SCRIPT="benchmarks/x.py --args"
       timeout "${SCRIPT_TIMEOUT:-200}" python3 $SCRIPT > "$R/script.log" 2>&1
       status=$(( status | $? )); tail -n 30 "$R/script.log" ;;

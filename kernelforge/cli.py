@@ -10,8 +10,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="check the toolchain: versions, GPUs, whether each backend builds and runs")
     sub.add_parser("build", help="build every CUDA extension ahead of time (cached by source hash)")
-    demo = sub.add_parser("demo", help="softmax on the best device here, checked against the reference and timed")
+    demo = sub.add_parser("demo", help="the example models (LM, ViT, GNN) at every optimization level this machine "
+                                       "runs: checked against the native level, timed, tabled and plotted")
     demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    demo.add_argument("--out", default="demo-results", help="output directory (default demo-results)")
+    demo.add_argument("--levels", default=None,
+                      help="comma-separated levels (default all: native,torchscript,compile,triton,cuda)")
+    demo.add_argument("--size", choices=("small", "realistic"), default=None,
+                      help="model sizes (default: realistic on a GPU, small on a CPU)")
+    demo.add_argument("--repeat", type=int, default=None, help="timed calls per level (default 10 GPU, 3 CPU)")
     bench = sub.add_parser("bench", help="benchmark ops against eager, torch.compile and peers; JSON, CSV, Markdown, PNG")
     bench.add_argument("ops", nargs="*", default=["all"], help="op names (see kernelforge.bench.suites) or 'all'")
     bench.add_argument("--dtype", default="bf16,fp32", help="comma-separated: bf16, fp16, fp32 (default bf16,fp32)")
@@ -42,9 +49,21 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(args)
     if args.command == "new-op":
         return _new_op(args)
-    from kernelforge.demo import run_demo
+    return _demo(args)
 
-    return run_demo(sys.stdout, device=args.device)
+
+def _demo(args) -> int:
+    from kernelforge.demo import run_demo
+    from kernelforge.models import LEVELS
+
+    levels = LEVELS if args.levels is None else tuple(args.levels.split(","))
+    unknown = [lv for lv in levels if lv not in LEVELS]
+    if unknown:
+        sys.stderr.write(f"kernelforge demo: unknown level(s) {unknown}; expected some of {LEVELS}\n")
+        return 2
+    realistic = None if args.size is None else args.size == "realistic"
+    return run_demo(sys.stdout, device=args.device, out_dir=args.out, levels=levels, realistic=realistic,
+                    repeat=args.repeat)
 
 
 def _new_op(args) -> int:

@@ -1,67 +1,247 @@
-"""`kernelforge demo` (what `make demo` runs): softmax on the best device here.
+"""`kernelforge demo` (what `make demo` runs): the progressive-optimization demo.
 
-Each implementation that can run here computes softmax of the same input; each result is
-checked against the float64 reference by the test suite's rule (error at most 2x
-PyTorch's own at this dtype, plus one ulp), then timed. Prints one table.
+Each example model (kernelforge.models) runs at every level this machine can run (native
+PyTorch, TorchScript, torch.compile, Triton kernels, CUDA kernels) on the same weights and
+inputs. Every level's output is checked against a higher-precision run of the native level
+(float64 for float32 models, float32 for bf16 ones) by the test suite's rule: its error at most
+twice the native level's own error in the same dtype, plus a small floor. Then each level is
+timed (median of repeated calls, synchronized) with its peak GPU memory, and the results are
+written as a table (stdout, demo.md), JSON (demo.json) and a plot (demo.png).
+
+Sizes: on a GPU, realistic ones (the LM at dim 1024, 8 layers, seq 2048, bf16; ViT-B/16 at
+batch 64); on a CPU, small ones, so the demo finishes in about a minute.
 """
 from __future__ import annotations
 
+import copy
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable, Optional, TextIO
 
 import torch
+import torch.nn.functional as F
 
-import kernelforge as kf
-from kernelforge import backends, reference
+from kernelforge import backends
 from kernelforge.bench.timing import time_function
+from kernelforge.models import (LEVELS, GraphNeuralNetwork, LanguageModel, VisionTransformer,
+                                why_level_unavailable)
 
 
-def _candidates(device: torch.device) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    impls: dict[str, Callable] = {}
-    for name, impl in backends.implementations("softmax").items():
-        if device.type == "cpu" and name == "triton":
-            continue  # the interpreter is for tests, far too slow to time
-        sample = torch.empty(1, 8, device=device)
-        if impl.supports(sample) is None:
-            impls[f"kernelforge[{name}]"] = (lambda b: lambda x: _forced(b, x))(name)
-    impls["torch eager"] = lambda x: torch.softmax(x, -1)
-    if device.type == "cuda":
-        impls["torch.compile"] = torch.compile(lambda x: torch.softmax(x, -1), dynamic=False)
-    return impls
+@dataclass
+class Workload:
+    """One thing to run at every level: a model, its inputs, and what one call does."""
+    name: str
+    model: torch.nn.Module
+    inputs: tuple
+    units: float  # items one call processes (tokens, images, graphs) for the rate column
+    unit_name: str
+    training: bool = False  # one call = forward, loss, backward and an optimizer step
 
 
-def _forced(backend: str, x: torch.Tensor) -> torch.Tensor:
-    with kf.use_backend(backend):
-        return kf.softmax(x, -1)
+@dataclass
+class Row:
+    workload: str
+    level: str
+    status: str  # "ok", "FAIL", or why the level did not run
+    max_error: float = math.nan
+    error_bound: float = math.nan
+    first_call_s: float = math.nan  # includes tracing / compiling
+    median_ms: float = math.nan
+    rate: float = math.nan
+    unit_name: str = ""
+    peak_mem_mb: float = math.nan
+    backends: dict = field(default_factory=dict)
 
 
-def run_demo(out: TextIO, device: Optional[str] = None) -> int:
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dev.type == "cuda":
-        shapes, dtype, repeat = [(16384, 4096), (8, 4096)], torch.bfloat16, 50
-        where = torch.cuda.get_device_name(dev)
+def _random_graphs(graphs: int, nodes_per_graph: int, edges_per_node: int, features: int, device, dtype):
+    """`graphs` random graphs batched into one: x (N, F), edge_index (2, E), batch (N,)."""
+    n = graphs * nodes_per_graph
+    src = torch.randint(0, nodes_per_graph, (n * edges_per_node,), device=device)
+    dst = torch.randint(0, nodes_per_graph, (n * edges_per_node,), device=device)
+    offset = torch.arange(graphs, device=device).repeat_interleave(nodes_per_graph * edges_per_node) * nodes_per_graph
+    edge_index = torch.stack([src + offset, dst + offset])
+    batch = torch.arange(graphs, device=device).repeat_interleave(nodes_per_graph)
+    return torch.randn(n, features, device=device, dtype=dtype), edge_index, batch
+
+
+def workloads(device: torch.device, dtype: torch.dtype, realistic: bool) -> list[Workload]:
+    if realistic:
+        lm_cfg, batch, seq = dict(vocab_size=32000, dim=1024, n_layers=8, n_heads=16, max_seq_len=2048), 8, 2048
+        vit_cfg, images = dict(image_size=224, patch_size=16, num_classes=1000), 64
+        gnn_cfg, graph = dict(node_features=128, hidden=256, num_classes=10, layers=3), (256, 400, 8)
     else:
-        shapes, dtype, repeat = [(1024, 4096), (8, 4096)], torch.float32, 20
-        where = "CPU (no GPU visible: Triton and CUDA backends need one)"
-    out.write(f"kernelforge demo: softmax over the last dim, {str(dtype).removeprefix('torch.')}, on {where}\n")
-    default = backends.select("softmax", torch.empty(1, 8, device=dev, dtype=dtype)).backend
-    out.write(f"kernelforge.softmax picks the {default} backend here; `kernelforge.explain` says why.\n\n")
+        lm_cfg, batch, seq = dict(vocab_size=256, dim=128, n_layers=2, n_heads=4, max_seq_len=128), 4, 128
+        vit_cfg, images = dict(image_size=32, patch_size=8, num_classes=10, dim=128, depth=2, heads=4), 8
+        gnn_cfg, graph = dict(node_features=32, hidden=64, num_classes=10, layers=3), (8, 50, 4)
+    lm = LanguageModel(**lm_cfg).to(device, dtype)
+    ids = torch.randint(0, lm_cfg["vocab_size"], (batch, seq), device=device)
+    vit = VisionTransformer(**vit_cfg).to(device, dtype)
+    gnn = GraphNeuralNetwork(**gnn_cfg).to(device, dtype)
+    x, edge_index, graph_of_node = _random_graphs(*graph, gnn_cfg["node_features"], device, dtype)
+    return [
+        Workload("LM forward", lm.eval(), (ids,), batch * seq, "tok/s"),
+        Workload("LM train step", copy.deepcopy(lm).train(), (ids,), batch * seq, "tok/s", training=True),
+        Workload("ViT forward", vit.eval(), (torch.randn(images, 3, vit_cfg["image_size"], vit_cfg["image_size"],
+                                                         device=device, dtype=dtype),), images, "img/s"),
+        Workload("GNN forward", gnn.eval(), (x, edge_index, graph_of_node, graph[0]), graph[0], "graphs/s"),
+    ]
 
-    header = f"{'shape':>12}  {'implementation':<22} {'max err':>9}  {'check':<5} {'median ms':>10} {'GB/s':>8}"
-    out.write(header + "\n" + "-" * len(header) + "\n")
-    failures = 0
-    for rows, cols in shapes:
-        x = torch.randn(rows, cols, device=dev, dtype=dtype) * 3
-        oracle = reference.softmax(x.double(), -1)
-        torch_err = (torch.softmax(x, -1).double() - oracle).abs().max().item()
-        bound = 2 * torch_err + torch.finfo(dtype).eps
-        for name, fn in _candidates(dev).items():
-            err = (fn(x).double() - oracle).abs().max().item()
-            ok = err <= bound
-            failures += not ok
-            t = time_function(lambda: fn(x), dev, warmup=3, repeat=repeat, back_to_back=rows * cols < 2**20)
-            gbps = 2 * x.numel() * x.element_size() / (t.median_ms * 1e-3) / 1e9
-            out.write(f"{f'{rows}x{cols}':>12}  {name:<22} {err:9.2e}  {'ok' if ok else 'FAIL':<5} "
-                      f"{t.median_ms:10.4f} {gbps:8.3g}\n")
-    out.write("\nGB/s counts the input read once and the output written once.\n")
-    out.write("all results match the float64 reference\n" if not failures else f"{failures} result(s) FAILED the check\n")
-    return 1 if failures else 0
+
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Callable:
+    """Next-token loss, backward and an AdamW step (inside the level's kernel scope, so the
+    backward ops run on the level's backend too)."""
+
+    def step(ids):
+        with model.kernel_scope():
+            logits = model(ids[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def _runner(work: Workload, model: torch.nn.Module) -> Callable:
+    if work.training:
+        step = _train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        return lambda: step(*work.inputs)
+
+    def infer():
+        with torch.no_grad():
+            return model(*work.inputs)
+
+    return infer
+
+
+def _oracle_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float32 else torch.float32
+
+
+def _reference_outputs(work: Workload, dtype: torch.dtype):
+    """(oracle output, native output in the tested dtype) for the accuracy check. A training
+    step is checked by its first loss, from the same weights."""
+    def first(model, inputs):
+        model = copy.deepcopy(model).set_level("native")
+        return _runner(Workload(work.name, model, inputs, 0, "", work.training), model)().double()
+
+    cast = tuple(t.to(_oracle_dtype(dtype)) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                 for t in work.inputs)
+    return first(work.model.to(_oracle_dtype(dtype)), cast), first(work.model.to(dtype), work.inputs)
+
+
+def run_workload(work: Workload, levels, device: torch.device, dtype: torch.dtype, repeat: int) -> list[Row]:
+    expected, native = _reference_outputs(work, dtype)
+    native_err = (native - expected).abs().max().item()
+    bound = 2 * native_err + 1e-5 * expected.abs().max().item()
+    rows = []
+    for level in levels:
+        why = why_level_unavailable(level, device)
+        if why is not None:
+            rows.append(Row(work.name, level, f"not run: {why}"))
+            continue
+        model = copy.deepcopy(work.model).set_level(level)
+        call = _runner(work, model)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        with backends.recording() as ran:
+            out = call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        first_s = time.perf_counter() - start
+        err = (out.double() - expected).abs().max().item()
+        timing = time_function(call, device, warmup=2, repeat=repeat, back_to_back=True, calls_per_sample=1)
+        peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else math.nan
+        rows.append(Row(work.name, level, "ok" if err <= bound else "FAIL", err, bound, first_s, timing.median_ms,
+                        work.units / (timing.median_ms * 1e-3), work.unit_name, peak,
+                        {f"{op}:{backend}": calls for (op, backend), calls in sorted(ran.items())}))
+        del model, call
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    header = (f"| {'workload':<14} | {'level':<11} | {'check':<5} | {'max err':>8} | {'first call s':>12} "
+              f"| {'median ms':>10} | {'rate':>16} | {'vs native':>9} | {'peak MiB':>8} |")
+    lines = [header, "|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|"]
+    native = {r.workload: r.median_ms for r in rows if r.level == "native" and r.status in ("ok", "FAIL")}
+    for r in rows:
+        if r.status not in ("ok", "FAIL"):
+            lines.append(f"| {r.workload:<14} | {r.level:<11} | {'-':<5} | {r.status}")
+            continue
+        speedup = native.get(r.workload, math.nan) / r.median_ms
+        mem = "-" if math.isnan(r.peak_mem_mb) else f"{r.peak_mem_mb:8.0f}"
+        lines.append(f"| {r.workload:<14} | {r.level:<11} | {r.status:<5} | {r.max_error:8.1e} | "
+                     f"{r.first_call_s:12.2f} | {r.median_ms:10.3f} | {r.rate:>10.4g} {r.unit_name:<5} | "
+                     f"{speedup:8.2f}x | {mem:>8} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], path: Path, title: str) -> Path:
+    from kernelforge.bench.report import pyplot
+
+    plt = pyplot()
+    names = list(dict.fromkeys(r.workload for r in rows))
+    levels = [lv for lv in LEVELS if any(r.level == lv and r.status in ("ok", "FAIL") for r in rows)]
+    native = {r.workload: r.median_ms for r in rows if r.level == "native"}
+    fig, ax = plt.subplots(figsize=(1.9 * len(names) + 2, 4.2))
+    width = 0.8 / max(1, len(levels))
+    for i, level in enumerate(levels):
+        speed = [next((native[n] / r.median_ms for r in rows if r.workload == n and r.level == level
+                       and r.status in ("ok", "FAIL")), 0.0) for n in names]
+        ax.bar([j + (i - (len(levels) - 1) / 2) * width for j in range(len(names))], speed, width, label=level)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("speed relative to native (higher is faster)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def run_demo(out: TextIO, device: Optional[str] = None, out_dir: str = "demo-results", levels=LEVELS,
+             realistic: Optional[bool] = None, repeat: Optional[int] = None) -> int:
+    """Prints the table, writes demo.md / demo.json / demo.png under out_dir; returns 0 when every
+    level that ran matched the reference, else 1."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    realistic = dev.type == "cuda" if realistic is None else realistic
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    repeat = repeat or (10 if dev.type == "cuda" else 3)
+    where = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
+             else "CPU (no GPU: the triton and cuda levels need one)")
+    title = f"kernelforge progressive-optimization demo: {str(dtype)[6:]}, {'realistic' if realistic else 'small'} " \
+            f"sizes, on {where}"
+    out.write(title + "\n\n")
+    torch.manual_seed(0)
+    notes = ("check: error against the native level run in higher precision <= 2x the native level's own error "
+             "+ 1e-5 of the largest value. first call: includes tracing / compiling. median ms: one call (a train "
+             "step is forward, loss, backward, AdamW), back to back, synchronized.")
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    rows: list[Row] = []
+    for work in workloads(dev, dtype, realistic):
+        rows += run_workload(work, levels, dev, dtype, repeat)
+        out.write(f"{work.name}: done\n")
+        out.flush()
+        # written after every workload, so a run stopped part way keeps what it measured
+        table = format_table(rows)
+        (path / "demo.md").write_text(f"# {title}\n\n{table}\n\n{notes}\n")
+        (path / "demo.json").write_text(json.dumps({"title": title, "rows": [asdict(r) for r in rows]}, indent=1))
+    out.write("\n" + table + "\n\n" + notes + "\n")
+    png = plot([r for r in rows if r.status in ("ok", "FAIL")], path / "demo.png", title)
+    out.write(f"wrote {path / 'demo.md'}, {path / 'demo.json'}, {png}\n")
+    failed = [r for r in rows if r.status == "FAIL"]
+    out.write("every level that ran matches the reference\n" if not failed else
+              f"{len(failed)} level(s) FAILED the check: " + ", ".join(f"{r.workload}/{r.level}" for r in failed)
+              + "\n")
+    return 1 if failed else 0
+
+
+__all__ = ["run_demo", "workloads"]

@@ -24,13 +24,27 @@ def test_build_without_gpu_fails_clearly(capsys):
     assert "cannot build CUDA extensions here:" in capsys.readouterr().out
 
 
-def test_demo_checks_and_times(capsys):
-    assert main(["demo", "--device", "cpu"]) == 0
+def test_demo_checks_times_and_plots(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the triton level must say it needs a GPU here
+    out_dir = tmp_path / "demo"
+    assert main(["demo", "--device", "cpu", "--levels", "native,torchscript,triton,cuda", "--repeat", "1",
+                 "--out", str(out_dir)]) == 0
     out = capsys.readouterr().out
-    assert "kernelforge[reference]" in out and "torch eager" in out
-    assert "all results match the float64 reference" in out
-    rows = [line for line in out.splitlines() if " ok " in line]
-    assert len(rows) >= 4 and all(float(r.split()[-1]) > 0 for r in rows)
+    assert "every level that ran matches the reference" in out
+    for workload in ("LM forward", "LM train step", "ViT forward", "GNN forward"):
+        rows = [line for line in out.splitlines() if line.startswith(f"| {workload} ")]
+        assert [r.split("|")[2].strip() for r in rows] == ["native", "torchscript", "triton", "cuda"]
+        assert all(" ok " in r and float(r.split("|")[6]) > 0 for r in rows[:2])
+        assert "not run: the triton level runs Triton kernels: Triton runs CPU tensors only with TRITON_INTERPRET=1" \
+            in rows[2]
+        assert "not run: the cuda level runs kernelforge's CUDA C++ kernels, which need a CUDA GPU" in rows[3]
+    assert {p.name for p in out_dir.iterdir()} == {"demo.md", "demo.json", "demo.png"}
+    assert (out_dir / "demo.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_demo_refuses_unknown_levels(capsys):
+    assert main(["demo", "--levels", "native,fast"]) == 2
+    assert "unknown level(s) ['fast']" in capsys.readouterr().err
 
 
 def test_console_entry_point():

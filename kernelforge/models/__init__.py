@@ -23,4 +23,13 @@ KernelOptimizedGraphNeuralNetwork = GraphNeuralNetwork
 __all__ = ["BlockConfig", "GraphNeuralNetwork", "GraphNeuralNetworkConfig", "KERNELFORGE_LEVELS",
            "KernelOptimizedGraphNeuralNetwork", "KernelOptimizedLanguageModel", "KernelOptimizedVisionTransformer",
            "LEVELS", "LanguageModel", "LanguageModelConfig", "LevelUnavailableError", "OptimizedTransformerBlock",
-           "VisionTransformer", "VisionTransformerConfig", "why_level_unavailable"]
+           "VisionTransformer", "VisionTransformerConfig", "run_progressive_optimization_demo", "why_level_unavailable"]
+
+
+def run_progressive_optimization_demo(device=None, out_dir: str = "demo-results") -> int:
+    """The design documents' entry point: `kernelforge demo` (every model at every level here)."""
+    import sys
+
+    from kernelforge.demo import run_demo
+
+    return run_demo(sys.stdout, device=device, out_dir=out_dir)
