@@ -266,10 +266,13 @@ class LevelledModel(Component):
             return backends.prefer_backend(self._level)
         return contextlib.nullcontext()
 
-    def kernelforge_patch(self) -> str:
+    def kernelforge_patch(self) -> Optional[str]:
         """kernelforge.patch's hook: run on kernelforge's ops from now on. On a GPU that is the
         triton level (Triton kernels exist for every op the models use); on a CPU, where
-        kernelforge's ops run their reference implementations, the reference level."""
+        kernelforge's ops run their reference implementations, the reference level. None when
+        the model is on kernelforge's ops already."""
+        if self._level in KERNELFORGE_LEVELS:
+            return None
         device = next(self.parameters()).device
         level = "triton" if device.type == "cuda" else "reference"
         self.set_level(level)

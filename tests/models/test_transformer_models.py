@@ -241,3 +241,20 @@ def test_triton_level_runs_kernelforge_ops_in_both_directions():
         model(ids).sum().backward()
     assert {op for op, _ in ran} == {"gemm", "norms", "attention", "gated_activation"}
     assert {backend for _, backend in ran} == {"triton"}
+
+
+def test_patch_moves_the_models_onto_kernelforge_ops():
+    import kernelforge as kf
+
+    model = randomize(tiny_lm()).eval()
+    ids = torch.randint(0, 61, (2, 9))
+    expected = model(ids)
+    container = torch.nn.ModuleDict({"lm": model, "norm": torch.nn.LayerNorm(61)})
+    replaced = kf.patch(container)
+    notes = {r.name: r.note for r in replaced}
+    assert notes["lm"] == "level set to 'reference' (its parameters are on cpu)" and "norm" in notes
+    assert model.level == "reference"
+    with backends.recording() as ran:
+        torch.testing.assert_close(model(ids), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    assert {op for op, _ in ran} == {"gemm", "norms", "attention", "gated_activation"}
+    assert kf.patch(container) == []  # the model patched itself once; the second call finds nothing new
