@@ -156,7 +156,8 @@ def recording() -> Iterator[collections.Counter]:
     try:
         yield counter
     finally:
-        _recorders.remove(counter)
+        # by identity: Counters with equal counts compare equal, and list.remove would take the first
+        del _recorders[next(i for i, c in enumerate(_recorders) if c is counter)]
 
 
 def forced_backend() -> Optional[str]:

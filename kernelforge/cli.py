@@ -15,7 +15,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     demo.add_argument("--out", default="demo-results", help="output directory (default demo-results)")
     demo.add_argument("--levels", default=None,
-                      help="comma-separated levels (default all: native,torchscript,compile,triton,cuda)")
+                      help="comma-separated levels (default the five: native,torchscript,compile,triton,cuda; "
+                           "also reference: kernelforge's ops on their CPU implementations)")
     demo.add_argument("--size", choices=("small", "realistic"), default=None,
                       help="model sizes (default: realistic on a GPU, small on a CPU)")
     demo.add_argument("--repeat", type=int, default=None, help="timed calls per level (default 10 GPU, 3 CPU)")
@@ -55,11 +56,12 @@ def main(argv: list[str] | None = None) -> int:
 def _demo(args) -> int:
     from kernelforge.demo import run_demo
     from kernelforge.models import LEVELS
+    from kernelforge.models.levels import EXTRA_LEVELS
 
     levels = LEVELS if args.levels is None else tuple(args.levels.split(","))
-    unknown = [lv for lv in levels if lv not in LEVELS]
+    unknown = [lv for lv in levels if lv not in LEVELS + EXTRA_LEVELS]
     if unknown:
-        sys.stderr.write(f"kernelforge demo: unknown level(s) {unknown}; expected some of {LEVELS}\n")
+        sys.stderr.write(f"kernelforge demo: unknown level(s) {unknown}; expected some of {LEVELS + EXTRA_LEVELS}\n")
         return 2
     realistic = None if args.size is None else args.size == "realistic"
     return run_demo(sys.stdout, device=args.device, out_dir=args.out, levels=levels, realistic=realistic,

@@ -92,16 +92,19 @@ def workloads(device: torch.device, dtype: torch.dtype, realistic: bool) -> list
 
 def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Callable:
     """Next-token loss, backward and an AdamW step (inside the level's kernel scope, so the
-    backward ops run on the level's backend too)."""
+    backward ops run on the level's backend too). Returns (loss, gradient norm): the check
+    compares both, so a wrong backward cannot pass on a right loss."""
+    params = [p for p in model.parameters() if p.requires_grad]
 
     def step(ids):
         with model.kernel_scope():
             logits = model(ids[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
             loss.backward()
+        grad_norm = torch.stack([n.float() for n in torch._foreach_norm([p.grad for p in params])]).norm()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return torch.stack([loss.detach(), grad_norm])
 
     return step
 
@@ -124,7 +127,7 @@ def _oracle_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _reference_outputs(work: Workload, dtype: torch.dtype):
     """(oracle output, native output in the tested dtype) for the accuracy check. A training
-    step is checked by its first loss, from the same weights."""
+    step is checked by its first loss and gradient norm, from the same weights."""
     def first(model, inputs):
         model = copy.deepcopy(model).set_level("native")
         return _runner(Workload(work.name, model, inputs, 0, "", work.training), model)().double()
@@ -221,7 +224,7 @@ def run_demo(out: TextIO, device: Optional[str] = None, out_dir: str = "demo-res
     out.write(title + "\n\n")
     torch.manual_seed(0)
     notes = ("check: error against the native level run in higher precision <= 2x the native level's own error "
-             "+ 1e-5 of the largest value. first call: includes tracing / compiling. median ms: one call (a train "
+             "+ 1e-5 of the largest value (a train step: its first loss and gradient norm). first call: includes tracing / compiling. median ms: one call (a train "
              "step is forward, loss, backward, AdamW), back to back, synchronized.")
     path = Path(out_dir)
     path.mkdir(parents=True, exist_ok=True)

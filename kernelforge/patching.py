@@ -127,6 +127,15 @@ class MultiheadAttention(kfnn.Attention):
                 attn_mask: Optional[torch.Tensor] = None, average_attn_weights: bool = True,
                 is_causal: bool = False):
         """As torch.nn.MultiheadAttention.forward (need_weights=True raises; see kernelforge.nn.Attention)."""
+        if is_causal and attn_mask is not None:
+            # torch's MHA takes is_causal as a hint that attn_mask is the causal mask: the mask decides
+            is_causal = False
+        elif is_causal:
+            seq = 0 if query.dim() == 2 or not self.batch_first else 1
+            length, keys = query.shape[seq], (query if key is None else key).shape[seq]
+            if length != keys:  # torch aligns causality to the top left, kernelforge to the bottom right
+                raise ValueError(f"kernelforge.patching.MultiheadAttention: is_causal without attn_mask needs as "
+                                 f"many queries as keys, got {length} and {keys}; pass the causal attn_mask")
         options = dict(attn_mask=attn_mask, key_padding_mask=key_padding_mask, need_weights=need_weights,
                        is_causal=is_causal, average_attn_weights=average_attn_weights)
         if self.batch_first or query.dim() != 3:  # unbatched (seq, embed) is the same either way

@@ -96,6 +96,11 @@ def test_recording_counts_each_call_with_its_backend():
             kf.log_softmax(x).sum().backward()
     assert outer[("softmax", "reference")] >= 2  # softmax, log_softmax (and its backward when it selects)
     assert sum(inner.values()) >= 1 and sum(outer.values()) > sum(inner.values())
+    with backends.recording() as empty_outer:  # an inner counter equal to the outer one (both empty) at exit
+        with backends.recording():
+            pass
+        kf.softmax(x)
+    assert empty_outer[("softmax", "reference")] == 1
     closed = dict(outer)
     kf.softmax(x)
     assert dict(outer) == closed  # a closed counter no longer changes

@@ -1,4 +1,5 @@
 """The command line, end to end on this machine."""
+import json
 import subprocess
 import sys
 
@@ -27,17 +28,20 @@ def test_build_without_gpu_fails_clearly(capsys):
 def test_demo_checks_times_and_plots(capsys, tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the triton level must say it needs a GPU here
     out_dir = tmp_path / "demo"
-    assert main(["demo", "--device", "cpu", "--levels", "native,torchscript,triton,cuda", "--repeat", "1",
+    assert main(["demo", "--device", "cpu", "--levels", "native,torchscript,reference,triton,cuda", "--repeat", "1",
                  "--out", str(out_dir)]) == 0
     out = capsys.readouterr().out
     assert "every level that ran matches the reference" in out
     for workload in ("LM forward", "LM train step", "ViT forward", "GNN forward"):
         rows = [line for line in out.splitlines() if line.startswith(f"| {workload} ")]
-        assert [r.split("|")[2].strip() for r in rows] == ["native", "torchscript", "triton", "cuda"]
-        assert all(" ok " in r and float(r.split("|")[6]) > 0 for r in rows[:2])
+        assert [r.split("|")[2].strip() for r in rows] == ["native", "torchscript", "reference", "triton", "cuda"]
+        assert all(" ok " in r and float(r.split("|")[6]) > 0 for r in rows[:3])
         assert "not run: the triton level runs Triton kernels: Triton runs CPU tensors only with TRITON_INTERPRET=1" \
-            in rows[2]
-        assert "not run: the cuda level runs kernelforge's CUDA C++ kernels, which need a CUDA GPU" in rows[3]
+            in rows[3]
+        assert "not run: the cuda level runs kernelforge's CUDA C++ kernels, which need a CUDA GPU" in rows[4]
+    ran = json.loads((out_dir / "demo.json").read_text())["rows"]
+    reference = [r for r in ran if r["level"] == "reference"]
+    assert all(any(k.endswith(":reference") for k in r["backends"]) for r in reference)  # kernelforge ops ran
     assert {p.name for p in out_dir.iterdir()} == {"demo.md", "demo.json", "demo.png"}
     assert (out_dir / "demo.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -490,3 +490,19 @@ class TestPatchedEncoderOnGPU:
         out = model(xa, **kwargs)
         assert kf_calls == {"flash_attention": 2, "layer_norm": 4, "gemm": 4}
         check_same(out, ref(xb, **kwargs), [xa, *model.parameters()], [xb, *ref.parameters()], rtol=1e-4)
+
+
+def test_patched_attention_takes_is_causal_as_torch_does():
+    """torch's MHA reads is_causal as a hint that attn_mask is causal (the mask decides), and
+    needs a mask with it; with fewer keys than queries a bottom-right causal mask would differ."""
+    mha = torch.nn.MultiheadAttention(24, 3, batch_first=True)
+    original = copy.deepcopy(mha)
+    model = torch.nn.ModuleDict({"attn": mha})
+    kf.patch(model)
+    q, memory = torch.randn(2, 9, 24), torch.randn(2, 5, 24)
+    mask = torch.ones(9, 5, dtype=torch.bool).triu(1)  # top-left aligned, as torch's own causal masks
+    expected, _ = original(q, memory, memory, attn_mask=mask, is_causal=True, need_weights=False)
+    got, _ = model["attn"](q, memory, memory, attn_mask=mask, is_causal=True, need_weights=False)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"is_causal without attn_mask needs as many queries as keys, got 9 and 5"):
+        model["attn"](q, memory, memory, is_causal=True)

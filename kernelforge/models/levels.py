@@ -17,6 +17,11 @@ The kernelforge levels set their backend with `kernelforge.prefer_backend` while
 Autograd runs the backward later, outside the model's call: train inside
 `with model.kernel_scope():` (forward, loss and backward) for the backward ops to follow the
 level too; outside it they take each op's measured default.
+
+One model runs one call at a time: the kernel set is switched on the model for the length of a
+call, so two threads calling the same model at once could see each other's switch (as the
+backend preference, it is process-wide). A LevelledModel inside another is a component of the
+outer one (it shares the outer KernelChoice); call its compute, not its forward, from the outer.
 """
 from __future__ import annotations
 
@@ -35,6 +40,9 @@ LEVELS = ("native", "torchscript", "compile", "triton", "cuda")
 # exercises kernelforge's registered ops and their hand-written backward formulas.
 EXTRA_LEVELS = ("reference",)
 KERNELFORGE_LEVELS = ("triton", "cuda", "reference")
+
+
+MAX_TRACES = 16  # traces a torchscript-level model keeps (one per input signature)
 
 
 class LevelUnavailableError(RuntimeError):
@@ -308,10 +316,14 @@ class LevelledModel(Component):
                 compiled = self._wrapped[method] = torch.compile(_Method(self, method))
             return compiled(*inputs)
         # torchscript: one trace per input signature (shapes, dtypes, mode), since a trace
-        # records the shapes it saw; the per-shape retrace makes its shape warnings moot.
-        key = (method, _signature(inputs), self.training, torch.is_grad_enabled())
+        # records the shapes it saw; the per-shape retrace makes its shape warnings moot. The
+        # parameters' identities are in the key too: a trace holds the tensors it saw, so after
+        # load_state_dict(assign=True) or a replaced parameter it would run the old weights.
+        key = (method, _signature(inputs), self.training, torch.is_grad_enabled(), tuple(map(id, self.parameters())))
         traced = self._wrapped.get(key)
         if traced is None:
+            if len(self._wrapped) >= MAX_TRACES:  # e.g. one per prompt length: keep the newest
+                del self._wrapped[next(iter(self._wrapped))]
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", torch.jit.TracerWarning)
                 traced = self._wrapped[key] = torch.jit.trace(_Method(self, method), inputs, check_trace=False)

@@ -258,3 +258,40 @@ def test_patch_moves_the_models_onto_kernelforge_ops():
         torch.testing.assert_close(model(ids), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     assert {op for op, _ in ran} == {"gemm", "norms", "attention", "gated_activation"}
     assert kf.patch(container) == []  # the model patched itself once; the second call finds nothing new
+
+
+def test_torchscript_and_compile_levels_really_trace_and_compile():
+    model = tiny_vit()
+    images = torch.randn(2, 3, 24, 24)
+    model.set_level("torchscript")(images)
+    assert [type(m).__name__ for m in model._wrapped.values()] == ["TopLevelTracedModule"]
+    model(images)
+    model(torch.randn(3, 3, 24, 24))  # another batch size: another trace
+    assert len(model._wrapped) == 2
+    model.set_level("compile")
+    assert model._wrapped == {}  # a level switch drops the previous level's traces
+    model(images)
+    assert [type(m).__name__ for m in model._wrapped.values()] == ["OptimizedModule"]
+
+
+def test_a_trace_follows_replaced_parameters():
+    model = tiny_lm(level="torchscript").eval()
+    ids = torch.randint(0, 61, (1, 8))
+    before = model(ids)
+    other = randomize(tiny_lm())
+    model.load_state_dict(other.state_dict(), assign=True)  # new Parameter objects
+    torch.testing.assert_close(model(ids), other(ids))
+    assert (model(ids) - before).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("sq, sk", [(1, 6), (3, 6), (6, 6)])
+def test_native_causal_attention_aligns_to_the_bottom_right_as_kernelforge(sq, sk):
+    from kernelforge.models.levels import KERNELFORGE_KERNELS, TORCH_KERNELS
+
+    q, k, v = torch.randn(2, 3, sq, 8), torch.randn(2, 3, sk, 8), torch.randn(2, 3, sk, 8)
+    with backends.use_backend("reference"):
+        expected = KERNELFORGE_KERNELS.attention(q, k, v, causal=True)
+    torch.testing.assert_close(TORCH_KERNELS.attention(q, k, v, causal=True), expected)
+    # the last query sees every key, the first sees sk - sq + 1 of them
+    torch.testing.assert_close(TORCH_KERNELS.attention(q, k, v, causal=True)[:, :, -1],
+                               torch.nn.functional.scaled_dot_product_attention(q[:, :, -1:], k, v)[:, :, 0])
