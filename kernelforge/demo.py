@@ -224,8 +224,9 @@ def run_demo(out: TextIO, device: Optional[str] = None, out_dir: str = "demo-res
     out.write(title + "\n\n")
     torch.manual_seed(0)
     notes = ("check: error against the native level run in higher precision <= 2x the native level's own error "
-             "+ 1e-5 of the largest value (a train step: its first loss and gradient norm). first call: includes tracing / compiling. median ms: one call (a train "
-             "step is forward, loss, backward, AdamW), back to back, synchronized.")
+             "+ 1e-5 of the largest value (a train step: its first loss and gradient norm). first call: includes "
+             "tracing / compiling. median ms: one call (a train step is forward, loss, backward, AdamW), back to "
+             "back, synchronized.")
     path = Path(out_dir)
     path.mkdir(parents=True, exist_ok=True)
     rows: list[Row] = []
