@@ -19,6 +19,7 @@ few units in the last place at the output's scale:
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -45,13 +46,15 @@ def max_error(t: torch.Tensor, oracle: torch.Tensor) -> float:
 
 def assert_matches_oracle(
     ours: torch.Tensor, torch_same_dtype: torch.Tensor, oracle: torch.Tensor, what: str = "", reduced: int = 1,
-    terms_scale: float = 0.0,
+    terms_scale: float = 0.0, floor_dtype: Optional[torch.dtype] = None,
 ) -> None:
     """ours and torch_same_dtype in the tested dtype, oracle in float64 (same shape);
     reduced: how many terms each output sums over (the row length for a row op);
     terms_scale: the largest term that cancels into an output, when it can exceed the
     output (a norm's gradient is rstd * (g - ...): its rounding errors scale with rstd * |g|
-    however small the difference), so the floor is taken at that scale."""
+    however small the difference), so the floor is taken at that scale;
+    floor_dtype: the precision the floor is counted in when the computation rounds to a
+    narrower type than ours' dtype (a GEMM at bf16 precision on float32 tensors)."""
     assert ours.shape == oracle.shape, f"{what}: shape {tuple(ours.shape)} != {tuple(oracle.shape)}"
     assert ours.dtype == torch_same_dtype.dtype, f"{what}: dtype {ours.dtype} != {torch_same_dtype.dtype}"
     oracle = oracle.to(ours.device)
@@ -59,7 +62,8 @@ def assert_matches_oracle(
     finite = oracle[oracle.isfinite()]
     scale = max(1.0, terms_scale, finite.abs().max().item() if finite.numel() else 0.0)
     err, base = max_error(ours, oracle), max_error(torch_same_dtype, oracle)
-    floor = floor_ulps(ours.dtype, reduced) * ulp(ours.dtype) * scale
+    floor_dtype = floor_dtype or ours.dtype
+    floor = floor_ulps(floor_dtype, reduced) * ulp(floor_dtype) * scale
     bound = 2 * base + floor
     assert err <= bound, (
         f"{what}: max error {err:.3e} exceeds 2 x PyTorch's {base:.3e} + floor "
