@@ -126,12 +126,8 @@ def use_backend(name: Optional[str]) -> Iterator[None]:
     is process-wide (it also holds for the backward pass, which autograd runs on other
     threads), so do not race two threads that force different backends.
     """
-    previous = _forced[0]
-    _forced[0] = None if name is None else _validate(name, "use_backend")
-    try:
+    with _setting(_forced, name, "use_backend"):
         yield
-    finally:
-        _forced[0] = previous
 
 
 @contextlib.contextmanager
@@ -139,12 +135,19 @@ def prefer_backend(name: Optional[str]) -> Iterator[None]:
     """Inside the block, every op runs on `name` where it has that backend and the backend
     takes the inputs, and on its usual choice otherwise (no error). Process-wide, as
     use_backend; a forced backend still wins."""
-    previous = _preferred[0]
-    _preferred[0] = None if name is None else _validate(name, "prefer_backend")
+    with _setting(_preferred, name, "prefer_backend"):
+        yield
+
+
+@contextlib.contextmanager
+def _setting(slot: list, name: Optional[str], source: str) -> Iterator[None]:
+    """slot[0] = name (validated) for the block, then back to what it was."""
+    previous = slot[0]
+    slot[0] = None if name is None else _validate(name, source)
     try:
         yield
     finally:
-        _preferred[0] = previous
+        slot[0] = previous
 
 
 @contextlib.contextmanager
