@@ -160,7 +160,8 @@ def _activation(x: torch.Tensor, bias: Optional[torch.Tensor], kind: str) -> tor
         return empty_rows_output(x, dim)
     launchers = _launchers(x, bias, kind)
     bias = None if bias is None else bias.contiguous()
-    return from_rows(launchers.act_forward_rows(rows_view(x, dim), bias, kind), x, dim)
+    # not a view (ops._common.not_a_view): in-place ops on it work as on torch's outputs
+    return not_a_view(from_rows(launchers.act_forward_rows(rows_view(x, dim), bias, kind), x, dim))
 
 
 def _activation_backward(
@@ -289,7 +290,7 @@ class _EagerActivation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, kind):
         _save_all_and_kind(ctx, (x, bias, kind), None)
-        return not_a_view(_activation(x, bias, kind))
+        return _activation(x, bias, kind)
 
     @staticmethod
     def backward(ctx, grad_output):

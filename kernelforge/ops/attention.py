@@ -172,7 +172,9 @@ def _forward(q, k, v, scale, vis):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         lse = torch.full((B, H, Sq), -math.inf, dtype=acc, device=q.device)
         return q.new_zeros(B, H, Sq, v.shape[-1]), lse
-    return _launchers(q, k, v, vis).flash_forward(q, k, v, scale, vis)
+    out, lse = _launchers(q, k, v, vis).flash_forward(q, k, v, scale, vis)
+    # not a view (ops._common.not_a_view): in-place ops on it work as on torch's outputs
+    return not_a_view(out), lse
 
 
 def _backward(grad_out, q, k, v, out, lse, scale, vis):
@@ -245,7 +247,6 @@ class _EagerAutograd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, vis):
         out, lse = _forward(q, k, v, scale, vis)
-        out = not_a_view(out)  # before saving: an in-place op on it must bump the saved out's version
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.vis = scale, vis
         ctx.mark_non_differentiable(lse)

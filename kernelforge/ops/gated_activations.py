@@ -100,7 +100,8 @@ def _gated(gate: torch.Tensor, up: torch.Tensor, kind: str) -> torch.Tensor:
     if gate.numel() == 0:
         return empty_rows_output(gate, dim)
     y2d = _gated_launchers(gate, kind).glu_forward_rows(rows_view(gate, dim), rows_view(up, dim), kind)
-    return from_rows(y2d, gate, dim)
+    # not a view (ops._common.not_a_view): in-place ops on it work as on torch's outputs
+    return not_a_view(from_rows(y2d, gate, dim))
 
 
 def _gated_backward(grad_output: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, kind: str):
@@ -124,7 +125,7 @@ def _gated_packed(gate_up: torch.Tensor, kind: str) -> torch.Tensor:
         return gate_up.new_empty(out_shape)
     packed2d = rows_view(gate_up, gate_up.dim() - 1)
     y2d = _gated_launchers(gate_up, kind).glu_forward_rows(packed2d[:, :half], packed2d[:, half:], kind)
-    return y2d.view(out_shape)
+    return not_a_view(y2d.view(out_shape))
 
 
 def _gated_packed_backward(grad_output: torch.Tensor, gate_up: torch.Tensor, kind: str) -> torch.Tensor:
@@ -246,7 +247,7 @@ class _EagerGated(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, kind):
         _save_all_and_kind(ctx, (gate, up, kind), None)
-        return not_a_view(_gated(gate, up, kind))
+        return _gated(gate, up, kind)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -259,7 +260,7 @@ class _EagerGatedPacked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate_up, kind):
         _save_all_and_kind(ctx, (gate_up, kind), None)
-        return not_a_view(_gated_packed(gate_up, kind))
+        return _gated_packed(gate_up, kind)
 
     @staticmethod
     def backward(ctx, grad_output):

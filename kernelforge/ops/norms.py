@@ -233,9 +233,11 @@ def _forward(v: _Variant, x, residual, normalized_shape, weight, bias, eps: floa
     y, residual_out, mean, rstd = _launchers(x, weight, bias, n, backward=False).norm_forward_rows(
         _rows(x, k), _rows(residual, k), _flat(weight), _flat(bias), eps, v.rms, offset)
     stats_shape = x.shape[: x.dim() - len(normalized_shape)]
-    return v.outputs(
+    # not views (ops._common.not_a_view): in-place ops on them work as on torch's outputs, on both
+    # the eager path and the registered op's, and modify what the backward saved (its version check)
+    return tuple(not_a_view(o) for o in v.outputs(
         _shaped(y, x.shape), None if residual_out is None else _shaped(residual_out, x.shape),
-        None if mean is None else _shaped(mean, stats_shape), _shaped(rstd, stats_shape))
+        None if mean is None else _shaped(mean, stats_shape), _shaped(rstd, stats_shape)))
 
 
 def _backward(op: str, grad_y, grad_residual, h, normalized_shape, weight, bias, mean, rstd,
@@ -335,8 +337,7 @@ class _EagerNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, v: _Variant, x, residual, normalized_shape, weight, bias, eps, offset):
-        # not_a_view before saving: an in-place op on an output must bump the saved one's version.
-        outputs = tuple(not_a_view(o) for o in _forward(v, x, residual, normalized_shape, weight, bias, eps, offset))
+        outputs = _forward(v, x, residual, normalized_shape, weight, bias, eps, offset)
         _save_for_backward(ctx, v, x, normalized_shape, weight, bias, eps, offset, outputs)
         ctx.variant = v
         _, _, mean, rstd = v.split_outputs(outputs)

@@ -104,7 +104,8 @@ def _forward(name: str, x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
     """What the registered forward op computes (also called directly by the eager fast path)."""
     dim = _check_input(name, x, dim)
     launchers = _launchers(x, dim)
-    return run_rows(x, dim, lambda x2d: launchers.softmax_forward_rows(x2d, log))
+    # not a view (ops._common.not_a_view): in-place ops on it work as on torch's outputs
+    return not_a_view(run_rows(x, dim, lambda x2d: launchers.softmax_forward_rows(x2d, log)))
 
 
 def _backward(name: str, grad_output: torch.Tensor, output: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
@@ -124,7 +125,7 @@ class _EagerAutograd(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, dim: int, name: str, log: bool):
-        y = not_a_view(_forward(name, x, dim, log))  # before saving: in-place ops must bump the saved y's version
+        y = _forward(name, x, dim, log)
         ctx.save_for_backward(y)
         ctx.dim, ctx.name, ctx.log = dim, name, log
         return y

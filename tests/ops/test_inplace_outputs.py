@@ -2,6 +2,8 @@
 with the gradient of the modified result right; where the backward needs the output itself
 (softmax, attention, add_rms_norm's sum x + residual), autograd's version check refuses it, as
 for torch's softmax."""
+import contextlib
+
 import pytest
 import torch
 
@@ -25,14 +27,22 @@ def _ops(dtype, device):
     }
 
 
+def _registered_op_path(device):
+    """A TorchFunctionMode (here `with torch.device(...)`) sends kernelforge's calls through the
+    registered ops instead of the eager autograd.Functions: both paths must behave alike."""
+    return torch.device(device)
+
+
+@pytest.mark.parametrize("path", ["eager", "registered-op"])
 @pytest.mark.parametrize("device", device_cases())
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("name", list(_ops(torch.float64, "cpu")))
-def test_output_modified_in_place_differentiates(name, shape, device):
+def test_output_modified_in_place_differentiates(name, shape, device, path):
     dtype = torch.float64 if device == "cpu" else torch.float32
     op = _ops(dtype, device)[name]
     x = torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
-    y_in_place = op(x).mul_(3.0).add_(1.0)
+    with _registered_op_path(device) if path == "registered-op" else contextlib.nullcontext():
+        y_in_place = op(x).mul_(3.0).add_(1.0)
     y = op(x).mul(3.0).add(1.0)
     torch.testing.assert_close(y_in_place, y, rtol=0, atol=0)
     g = torch.randn_like(y)
@@ -41,10 +51,13 @@ def test_output_modified_in_place_differentiates(name, shape, device):
     torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("path", ["eager", "registered-op"])
 @pytest.mark.parametrize("device", device_cases())
-def test_in_place_on_an_output_the_backward_needs_is_refused(device):
+def test_in_place_on_an_output_the_backward_needs_is_refused(device, path):
     x = torch.randn(2, 3, 5, 8, device=device, requires_grad=True)
-    for y in (kf.softmax(x, dim=-1), kf.flash_attention(x, x, x), kf.add_rms_norm(x, x * 0.5, None)[1]):
+    with _registered_op_path(device) if path == "registered-op" else contextlib.nullcontext():
+        outputs = (kf.softmax(x, dim=-1), kf.flash_attention(x, x, x), kf.add_rms_norm(x, x * 0.5, None)[1])
+    for y in outputs:
         y.mul_(2.0)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             y.sum().backward()
