@@ -83,8 +83,9 @@ class LanguageModel(LevelledModel):
         """ids (B, T) at `positions` (T,) -> logits of the last token (B, vocab); writes the
         layers' keys and values into cache (layers, 2, B, H, S, D)."""
         x = self._embed(ids, positions)
+        end = self.kernels.ops.cache_end(positions)  # a host read on the kernelforge levels only
         for i, layer in enumerate(self.layers):
-            x = layer.forward_cached(x, positions, cache[i, 0], cache[i, 1])
+            x = layer.forward_cached(x, positions, cache[i, 0], cache[i, 1], end)
         return self.head(self.norm(x[:, -1:]))[:, 0]
 
     def new_cache(self, batch: int, length: int, dtype: torch.dtype, device) -> torch.Tensor:

@@ -122,10 +122,14 @@ class TorchKernels:
         mask = _causal_mask(q.shape[-2], k.shape[-2], q.device) if causal else None
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
 
-    def cached_attention(self, q, cache_k, cache_v, positions):
+    def cache_end(self, positions):
+        """What cached_attention needs to know on the host, read once a decode step: nothing here."""
+        return None
+
+    def cached_attention(self, q, cache_k, cache_v, positions, end):
         """q (B, H, T, D) of the tokens at `positions` (T,) against a KV cache (B, H, S, D) whose
         rows up to each query's position are filled. Static shapes (the whole cache, masked), so
-        a trace or a compiled graph serves every decode step."""
+        a trace or a compiled graph serves every decode step; `end` is unused."""
         visible = torch.arange(cache_k.shape[-2], device=q.device)[None, :] <= positions[:, None]
         return F.scaled_dot_product_attention(q, cache_k, cache_v, attn_mask=visible)
 
@@ -180,12 +184,15 @@ class KernelforgeKernels:
 
         return kf.flash_attention(q, k, v, causal=causal)
 
-    def cached_attention(self, q, cache_k, cache_v, positions):
-        """Attends over the filled part of the cache only (flash-decoding splits those keys);
-        the positions are consecutive, so causal bottom-right alignment is exact."""
+    def cache_end(self, positions):
+        """The filled length of the cache (one host read a decode step, shared by the layers)."""
+        return int(positions[-1]) + 1
+
+    def cached_attention(self, q, cache_k, cache_v, positions, end):
+        """Attends over the cache's first `end` rows only (flash-decoding splits those keys); the
+        positions are consecutive, so causal bottom-right alignment is exact."""
         import kernelforge as kf
 
-        end = int(positions[-1]) + 1
         return kf.flash_attention(q, cache_k[:, :, :end], cache_v[:, :, :end], causal=True)
 
     def swiglu(self, gate_up):

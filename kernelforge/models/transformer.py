@@ -103,13 +103,13 @@ class SelfAttention(Component):
         q, k, v = self._heads(x)
         return self._merge(self.kernels.ops.attention(q, k, v, self.causal))
 
-    def forward_cached(self, x, positions, cache_k, cache_v):
+    def forward_cached(self, x, positions, cache_k, cache_v, end):
         """x (B, T, C) at `positions` (T,); cache_k / cache_v (B, H, S, D) are written at those
-        positions, then the queries attend over the cache."""
+        positions, then the queries attend over the cache (`end`: the kernel set's cache_end)."""
         q, k, v = self._heads(x)
         cache_k.index_copy_(2, positions, k)
         cache_v.index_copy_(2, positions, v)
-        return self._merge(self.kernels.ops.cached_attention(q, cache_k, cache_v, positions))
+        return self._merge(self.kernels.ops.cached_attention(q, cache_k, cache_v, positions, end))
 
 
 class MLP(Component):
@@ -143,8 +143,8 @@ class TransformerLayer(Component):
         normed, h = self.norm2.add(self.attn(self.norm1(x)), x)
         return h + self.mlp(normed)
 
-    def forward_cached(self, x, positions, cache_k, cache_v):
-        normed, h = self.norm2.add(self.attn.forward_cached(self.norm1(x), positions, cache_k, cache_v), x)
+    def forward_cached(self, x, positions, cache_k, cache_v, end):
+        normed, h = self.norm2.add(self.attn.forward_cached(self.norm1(x), positions, cache_k, cache_v, end), x)
         return h + self.mlp(normed)
 
 
