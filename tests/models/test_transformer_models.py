@@ -118,7 +118,8 @@ def test_gradients_match_across_levels(level, device):
     with model.kernel_scope():
         model(ids).square().mean().backward()
     for (name, p), q in zip(model.named_parameters(), native.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+        # fp32 sums over every token in another order: ~2e-5 of the gradient's scale measured
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4 * q.grad.abs().max().item(), msg=name)
 
 
 @pytest.mark.parametrize("level, device", level_cases())
