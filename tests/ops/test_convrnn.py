@@ -67,45 +67,45 @@ def shapes_for(device):
     return GPU_SHAPES if device == "cuda" else SHAPES
 
 
+def oracle_cases(backend, device):
+    """(shape, dtype) pairs the backend takes on the device, for the oracle tests."""
+    return [(shape, dtype) for shape in shapes_for(device) if supported(backend, device, shape)
+            for dtype in dtypes_for(backend, device)]
+
+
 @pytest.mark.parametrize("backend,device", backend_cases())
 def test_forward_matches_oracle(backend, device):
-    for shape in shapes_for(device):
-        if not supported(backend, device, shape):
-            continue
-        for dtype in dtypes_for(backend, device):
-            x, kernel, hidden = inputs(shape, dtype, device)
-            with kf.use_backend(backend):
-                out, h_last = kf.convrnn(x, kernel, hidden)
-            oracle_out, oracle_h = reference_forward(x.double(), kernel.double(), hidden.double())
-            same_out, same_h = torch_loop(x, kernel, hidden) if dtype != torch.float64 else (oracle_out, oracle_h)
-            what = f"convrnn {shape} {dtype} {backend}"
-            scale = recurrence_scale(shape, dtype)
-            assert_matches_oracle(out, same_out, oracle_out, what + " out", reduced=shape[3], terms_scale=scale)
-            assert_matches_oracle(h_last, same_h, oracle_h, what + " h_T", reduced=shape[3], terms_scale=scale)
+    for shape, dtype in oracle_cases(backend, device):
+        x, kernel, hidden = inputs(shape, dtype, device)
+        with kf.use_backend(backend):
+            out, h_last = kf.convrnn(x, kernel, hidden)
+        oracle_out, oracle_h = reference_forward(x.double(), kernel.double(), hidden.double())
+        same_out, same_h = torch_loop(x, kernel, hidden) if dtype != torch.float64 else (oracle_out, oracle_h)
+        what = f"convrnn {shape} {dtype} {backend}"
+        scale = recurrence_scale(shape, dtype)
+        assert_matches_oracle(out, same_out, oracle_out, what + " out", reduced=shape[3], terms_scale=scale)
+        assert_matches_oracle(h_last, same_h, oracle_h, what + " h_T", reduced=shape[3], terms_scale=scale)
 
 
 @pytest.mark.parametrize("backend,device", backend_cases())
 def test_backward_through_time_matches_oracle(backend, device):
-    for shape in shapes_for(device):
-        if not supported(backend, device, shape):
-            continue
-        for dtype in dtypes_for(backend, device):
-            x, kernel, hidden = inputs(shape, dtype, device, requires_grad=True)
-            with kf.use_backend(backend):
-                out, h_last = kf.convrnn(x, kernel, hidden)
-            grad_out, grad_h = torch.randn_like(out), torch.randn_like(h_last)
-            ours = torch.autograd.grad((out, h_last), (x, kernel, hidden), (grad_out, grad_h))
-            leaves = [t.detach().double().requires_grad_() for t in (x, kernel, hidden)]
-            o64, h64 = reference_forward(*leaves)
-            oracle = torch.autograd.grad((o64, h64), leaves, (grad_out.double(), grad_h.double()))
-            if dtype == torch.float64:
-                same = oracle
-            else:
-                same = torch.autograd.grad(torch_loop(x, kernel, hidden), (x, kernel, hidden), (grad_out, grad_h))
-            B, T, Fe, K = shape
-            for name, o, s, ref, terms in zip(("dx", "dkernel", "dhidden"), ours, same, oracle, (1, B * Fe, 1)):
-                assert_matches_oracle(o, s, ref, f"convrnn {shape} {dtype} {backend} {name}", reduced=K * T * terms,
-                                      terms_scale=recurrence_scale(shape, dtype, terms))
+    for shape, dtype in oracle_cases(backend, device):
+        x, kernel, hidden = inputs(shape, dtype, device, requires_grad=True)
+        with kf.use_backend(backend):
+            out, h_last = kf.convrnn(x, kernel, hidden)
+        grad_out, grad_h = torch.randn_like(out), torch.randn_like(h_last)
+        ours = torch.autograd.grad((out, h_last), (x, kernel, hidden), (grad_out, grad_h))
+        leaves = [t.detach().double().requires_grad_() for t in (x, kernel, hidden)]
+        o64, h64 = reference_forward(*leaves)
+        oracle = torch.autograd.grad((o64, h64), leaves, (grad_out.double(), grad_h.double()))
+        if dtype == torch.float64:
+            same = oracle
+        else:
+            same = torch.autograd.grad(torch_loop(x, kernel, hidden), (x, kernel, hidden), (grad_out, grad_h))
+        B, T, Fe, K = shape
+        for name, o, s, ref, terms in zip(("dx", "dkernel", "dhidden"), ours, same, oracle, (1, B * Fe, 1)):
+            assert_matches_oracle(o, s, ref, f"convrnn {shape} {dtype} {backend} {name}", reduced=K * T * terms,
+                                  terms_scale=recurrence_scale(shape, dtype, terms))
 
 
 def test_gradcheck_in_float64():
