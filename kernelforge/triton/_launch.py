@@ -77,7 +77,8 @@ def _spec(arg):
     if arg is None or type(arg) is float or type(arg) is bool:
         return type(arg)
     if type(arg).__name__ == "TensorDescriptor" and isinstance(getattr(arg, "base", None), torch.Tensor):
-        return "tensordesc", arg.base.dtype, tuple(arg.block_shape), arg.padding
+        # a Gluon descriptor also carries its shared-memory layout, part of the kernel's type
+        return "tensordesc", arg.base.dtype, tuple(arg.block_shape), arg.padding, getattr(arg, "layout", None)
     raise _NotDirect
 
 
@@ -100,7 +101,8 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     do. Triton's path is kept for the interpreter, for arguments `_spec` does not know, and
     while launch hooks (a profiler's) are installed. Keyword arguments must be hashable."""
     jit_function, runtime = _triton_runtime()
-    if type(kernel) is not jit_function or runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls:
+    # Gluon kernels are a JITFunction subclass with the same compiled launcher
+    if not isinstance(kernel, jit_function) or runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls:
         kernel[grid](*args, **kwargs)
         return
     device = torch.cuda.current_device()

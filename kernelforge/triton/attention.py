@@ -16,7 +16,7 @@ import triton
 
 from kernelforge.reference.attention import Visibility
 from kernelforge.triton import attention_decode, interpreter_enabled
-from kernelforge.triton._launch import launch, on_device
+from kernelforge.triton._launch import device_capability, launch, on_device
 from kernelforge.triton.attention_kernels import (backward_delta_kernel, flash_backward_dkdv_kernel,
                                                   flash_backward_dq_kernel, flash_forward_kernel)
 
@@ -151,11 +151,25 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
+def _gluon_band():
+    """kernelforge.triton.attention_gluon, or None where this Triton has no Gluon for Hopper."""
+    try:
+        from kernelforge.triton import attention_gluon
+    except ImportError:
+        return None
+    return attention_gluon
+
+
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, vis: Visibility):
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     if attention_decode.takes(q, k, vis):  # a few queries, a long cache: split the keys
         return attention_decode.decode_forward(q, k, v, scale, vis, _mask_args(q, vis), _band(vis), _precision(q),
                                                _pow2, LOG2E)
+    if q.is_cuda and vis.left is not None:  # a sliding window on Hopper: the Gluon forward (attention_gluon.py)
+        band = _gluon_band()
+        if band is not None and band.takes(q, k, v, vis, device_capability(q.device)):
+            with on_device(q):
+                return band.band_forward(q, k, v, scale, vis)
     B, H, Sq, D = q.shape
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     out = torch.empty(B, H, Sq, Dv, dtype=q.dtype, device=q.device)

@@ -1,0 +1,293 @@
+"""Hopper flash-attention forward for a band of keys (sliding window), written in Gluon.
+
+Why a second forward next to attention_kernels.py: on a short band (a causal window of 512
+keys: nine 64-key tiles a query tile) the Triton kernel computes at ~37% of the H200's bf16
+peak, against ~49% on dense rows. Triton 3.6 issues each tile's two MMAs and its softmax
+one after another, so the tensor cores idle while the exponentials run (a 64x64 score tile
+costs about half as long on the SFU as its two MMAs on the tensor cores at d = 128). Gluon
+gives the schedule to the kernel writer. This kernel keeps, per tile j (FlashAttention-3's
+order inside one warpgroup):
+
+    issue S_j = Q K_j^T            (async wgmma)
+    issue O  += P_{j-1} V_{j-1}    (async wgmma, P from registers)
+    wait for S_j; softmax(S_j) -> P_j, the row rescale alpha_j   (runs under the PV MMA)
+    wait for the PV MMA; O *= alpha_j; refill that stage's K and V buffers by TMA
+
+One warpgroup (4 warps) owns a 64-row query tile; two programs fit an SM (registers and
+shared memory), so one program's softmax also runs under the other's MMAs. K and V tiles
+stream through a ring of STAGES shared-memory buffers filled by TMA (mbarrier completion);
+Q comes once by TMA, and its buffer stages O for the TMA store. 4-D TMA descriptors over
+(batch, heads, seq, dim) take any strides with a unit last dim and 16-byte rows, return
+zeros past the sequence ends and clip the store there.
+
+Work per (batch, head): FLOPs 4 * Sq * (keys in the band + tile waste) * D, bytes Q, O once
+and K, V once per query tile (from L2: neighbouring tiles share most of their band).
+Scores are in log2 units as in attention_kernels.py; the band and the key tail are applied
+on the band's edge tiles only, under a run-time branch. Rows that see no key get out = 0,
+lse = -inf, as the Triton forward gives.
+
+Only sm_90 has wgmma; kernelforge/triton/attention.py sends a call here when `takes` says so
+and keeps the Triton forward for everything else (masks, block masks, other GPUs, fp32,
+other head dims). The backward is the Triton one: it reads (out, lse) the same way.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from kernelforge.reference.attention import Visibility
+from kernelforge.triton._launch import launch
+
+HEAD_DIMS = (64, 128)
+DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+BLOCK_M = 64  # one warpgroup's wgmma height
+BLOCK_N = 64  # the band's waste grows with the key tile; 64 keys is the Triton forward's best too
+STAGES = 2
+NUM_WARPS = 4
+LOG2E = 1.4426950408889634
+LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+# Off switch for experiments (benchmarks/window_experiment.py times both forwards).
+ENABLED = {"window": True}
+
+
+@gluon.jit
+def _band_tiles(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """Key range of query rows [m0, m0 + BLOCK_M): first key tile `lo`, tile count (at least
+    one: a tile past every visible key is fully masked), and [full_lo, full_hi), the tiles
+    inside every bound (attention_visibility._row_range's rule)."""
+    m_last = gl.minimum(m0 + BLOCK_M, Sq) - 1
+    lo = 0
+    hi = Sk
+    full_lo = 0
+    full_hi = (Sk // BLOCK_N) * BLOCK_N
+    if HAS_LEFT:
+        lo = gl.maximum(m0 + off - LEFT, 0) // BLOCK_N * BLOCK_N
+        full_lo = gl.maximum(m_last + off - LEFT + BLOCK_N - 1, 0) // BLOCK_N * BLOCK_N
+    if HAS_RIGHT:
+        hi = gl.minimum(hi, gl.maximum(m_last + off + RIGHT + 1, 0))
+        full_hi = gl.minimum(full_hi, gl.maximum(m0 + off + RIGHT + 1, 0) // BLOCK_N * BLOCK_N)
+    hi = gl.maximum(hi, lo)
+    full_lo = gl.minimum(gl.maximum(full_lo, lo), hi)
+    full_hi = gl.maximum(gl.minimum(full_hi, hi), full_lo)
+    lo = gl.minimum(lo, gl.maximum(Sk - 1, 0) // BLOCK_N * BLOCK_N)  # keep the (masked) first tile in range
+    tiles = gl.maximum(gl.cdiv(hi - lo, BLOCK_N), 1)
+    return lo, tiles, full_lo, full_hi
+
+
+@gluon.jit
+def _issue_tile(desc, bufs, ready, b, hk, n0, slot, pred):
+    """TMA load of the K or V tile at key n0 into ring slot `slot`, completing on its barrier
+    (K and V have their own rings: the S MMA needs only K, and frees it first)."""
+    mbarrier.expect(ready.index(slot), desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(desc, [b, hk, n0, 0], ready.index(slot), bufs.index(slot), pred=pred)
+
+
+@gluon.jit
+def _tile_softmax(s, m_i, l_i, n0, rows, cols, full_lo, full_hi, Sq, Sk, off, LEFT, RIGHT, qk_scale,
+                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """Online softmax of one raw score tile: the masked edge tiles, the new running max (log2
+    units) and sum, P, and alpha = exp2(m_old - m_new) for the accumulator."""
+    if (n0 < full_lo) | (n0 >= full_hi):
+        j = n0 + cols[None, :]
+        i = rows[:, None]
+        ok = (i < Sq) & (j < Sk)
+        if HAS_LEFT:
+            ok = ok & (j >= i + off - LEFT)
+        if HAS_RIGHT:
+            ok = ok & (j <= i + off + RIGHT)
+        s = gl.where(ok, s, float("-inf"))
+    # qk_scale > 0: max(s) * scale is the max of the scaled scores; s * scale - m is one FMA
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+    p = gl.exp2(s * qk_scale - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def band_forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE,
+                        H, GROUP, Sq, Sk, off, LEFT, RIGHT, qk_scale,
+                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr,
+                        num_warps: gl.constexpr):
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    dtype: gl.constexpr = q_desc.dtype
+
+    pid_bh = gl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    m0 = gl.program_id(0) * BLOCK_M
+    lo, tiles, full_lo, full_hi = _band_tiles(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    q_buf = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for st in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(st), count=1)
+        mbarrier.init(v_ready.index(st), count=1)
+
+    mbarrier.expect(q_ready, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], q_ready, q_buf)
+    for st in gl.static_range(STAGES):
+        _issue_tile(k_desc, k_bufs, k_ready, b, hk, lo + st * BLOCK_N, st, st < tiles)
+        _issue_tile(v_desc, v_bufs, v_ready, b, hk, lo + st * BLOCK_N, st, st < tiles)
+
+    q = q_buf.reshape([BLOCK_M, HEAD_DIM])
+    rows = m0 + gl.arange(0, BLOCK_M, layout=s_rows)
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+
+    # key tile 0: its S alone, then its softmax
+    mbarrier.wait(q_ready, 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    s = warpgroup_mma(q, k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                      use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    _issue_tile(k_desc, k_bufs, k_ready, b, hk, lo + STAGES * BLOCK_N, 0, STAGES < tiles)  # K slot 0 is free
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, s_rows)
+    l_i = gl.zeros([BLOCK_M], gl.float32, s_rows)
+    p, m_i, l_i, alpha = _tile_softmax(s, m_i, l_i, lo, rows, cols, full_lo, full_hi, Sq, Sk, off, LEFT, RIGHT,
+                                       qk_scale, HAS_LEFT, HAS_RIGHT)
+    p = gl.convert_layout(p.to(dtype), p_layout)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+
+    for j in range(1, tiles):
+        stage = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+        s = warpgroup_mma(q, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                          use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s,))
+        # S_j is done with K slot `stage`: refill it with K tile j + STAGES under the softmax
+        _issue_tile(k_desc, k_bufs, k_ready, b, hk, lo + (j + STAGES) * BLOCK_N, stage, j + STAGES < tiles)
+        p_next, m_i, l_i, alpha = _tile_softmax(s, m_i, l_i, lo + j * BLOCK_N, rows, cols, full_lo, full_hi, Sq,
+                                                Sk, off, LEFT, RIGHT, qk_scale, HAS_LEFT, HAS_RIGHT)
+        acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+        # P_{j-1} V_{j-1} is done with V slot `prev`: refill it with V tile j - 1 + STAGES
+        _issue_tile(v_desc, v_bufs, v_ready, b, hk, lo + (j - 1 + STAGES) * BLOCK_N, prev, j - 1 + STAGES < tiles)
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        p = gl.convert_layout(p_next.to(dtype), p_layout)
+
+    last = (tiles - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((tiles - 1) // STAGES) & 1)
+    acc = warpgroup_mma(p, v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+
+    mbarrier.invalidate(q_ready)
+    for st in gl.static_range(STAGES):
+        mbarrier.invalidate(k_ready.index(st))
+        mbarrier.invalidate(v_ready.index(st))
+
+    # epilogue: out = acc / l (0 for a row that saw nothing), lse = (m + log2 l) * ln 2 or -inf;
+    # O leaves through Q's buffer (every S MMA has completed)
+    l_o = gl.convert_layout(l_i, o_rows)
+    seen = l_o > 0
+    out = gl.where(seen[:, None], acc / gl.where(seen, l_o, 1.0)[:, None], 0.0)
+    q.store(out.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, h, m0, 0], q_buf)
+    seen_s = l_i > 0
+    lse = gl.where(seen_s, (m_i + gl.log2(gl.where(seen_s, l_i, 1.0))) * LN2, float("-inf"))
+    gl.store(LSE + pid_bh.to(gl.int64) * Sq + rows, lse, mask=rows < Sq)
+    tma.store_wait(0)
+
+
+# ----------------------------------------------------------------------------- launcher
+def _tma_ready(t: torch.Tensor) -> bool:
+    """A 4-D TMA descriptor needs a 16-byte aligned base and 16-byte multiples as strides."""
+    size = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in t.stride()[:-1])
+
+
+def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility, capability) -> bool:
+    """Whether this forward runs these inputs: an sm_90 GPU, a band with a bounded left reach,
+    no attn_mask and no block mask, fp16 / bf16 with head dims 64 or 128, non-empty, TMA-able."""
+    return (ENABLED["window"] and capability == (9, 0) and vis.left is not None and vis.attn_mask is None
+            and vis.block_mask is None and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
+            and q.shape[-1] in HEAD_DIMS and v.shape[-1] == q.shape[-1] and q.shape[2] > 0 and k.shape[2] > 0
+            and all(_tma_ready(t) for t in (q, k, v)))
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_layout(rows: int, head_dim: int, dtype: torch.dtype):
+    # building the layout costs ~7 us of host time; there are a handful of them
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], DTYPES[dtype])
+
+
+def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[-1]],
+                            _shared_layout(rows, t.shape[-1], t.dtype))
+
+
+def band_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, vis: Visibility):
+    """(out, lse) of the band forward; q, k, v as (B, H, S, D) with a unit last stride."""
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    out = torch.empty(B, H, Sq, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    left = vis.left
+    right = vis.right if vis.right is not None else 0
+    launch(band_forward_kernel, (triton.cdiv(Sq, BLOCK_M), B * H),
+           _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(out, BLOCK_M), lse,
+           H, H // Hkv, Sq, Sk, Sk - Sq, left, right, scale * LOG2E,
+           HAS_LEFT=True, HAS_RIGHT=vis.right is not None, STAGES=STAGES, num_warps=NUM_WARPS)
+    return out, lse
+
+
+# ----------------------------------------------------------------------------- build check
+def compile_for_sm90(head_dim: int, dtype: torch.dtype, has_right: bool) -> dict:
+    """Compile the kernel for sm_90a without a GPU (Triton's own ptxas) and report its
+    registers a thread, spilled bytes and shared memory: the test suite's check that this
+    Triton still builds it within two programs an SM."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    q = torch.zeros(1, 2, 128, head_dim, dtype=dtype)
+    args = dict(q_desc=_descriptor(q, BLOCK_M), k_desc=_descriptor(q, BLOCK_N), v_desc=_descriptor(q, BLOCK_N),
+                o_desc=_descriptor(q, BLOCK_M), LSE=torch.zeros(4), H=2, GROUP=1, Sq=1000, Sk=1000, off=0,
+                LEFT=512, RIGHT=0, qk_scale=0.1)
+    signature = {name: mangle_type(arg) for name, arg in args.items()}
+    constexprs = {"HAS_LEFT": True, "HAS_RIGHT": has_right, "STAGES": STAGES, "num_warps": NUM_WARPS}
+    signature.update({name: "constexpr" for name in constexprs})
+    compiled = triton.compile(GluonASTSource(band_forward_kernel, signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = f"{tmp}/kernel.ptx"
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        report = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", ptx, "-o", f"{tmp}/kernel.cubin"],
+                                capture_output=True, text=True, check=True).stderr
+    spills = re.search(r"(\d+) bytes spill stores", report)
+    return {"registers": int(re.search(r"Used (\d+) registers", report).group(1)),
+            "spills": int(spills.group(1)) if spills else 0, "shared": compiled.metadata.shared}

@@ -1,0 +1,145 @@
+"""The Gluon sliding-window forward (kernelforge/triton/attention_gluon.py).
+
+On an sm_90 GPU: output, lse and (through the Triton backward) gradients against the float64
+oracle at odd lengths, grouped heads, Sq != Sk, both head dims, both dtypes, strided
+storage and keyless rows, with a check that the Gluon kernel really ran. Everywhere: the
+kernel compiles for sm_90 under the pinned Triton within the budget that lets two programs
+share an SM, and `takes` sends it exactly the calls it supports."""
+import math
+
+import pytest
+import torch
+
+import kernelforge as kf
+from kernelforge.reference.attention import Visibility
+from tests.conftest import HAS_CUDA
+from tests.ops.test_attention import check
+
+gluon = pytest.importorskip("kernelforge.triton.attention_gluon")
+
+ON_HOPPER = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
+needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU (wgmma)")
+
+
+@pytest.fixture
+def gluon_calls(monkeypatch):
+    """How many times the Gluon forward ran."""
+    calls = []
+    real = gluon.band_forward
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gluon, "band_forward", counted)
+    return calls
+
+
+# (B, H, Hkv, Sq, Sk, D, causal, window): the band at odd lengths and its corners
+CASES = [
+    (1, 4, 4, 4097, 4097, 128, True, (512, None)),    # the benchmarked window, odd length
+    (1, 4, 1, 1000, 1000, 64, True, (100, None)),     # MQA, head dim 64
+    (1, 8, 2, 17, 1000, 128, True, (300, None)),      # Sq < Sk: bottom-right causal, GQA
+    (2, 2, 2, 1000, 300, 64, True, (64, None)),       # Sq > Sk: the first 700 rows see no key
+    (1, 2, 2, 1, 17, 128, False, (3, None)),          # one query, left bound only
+    (1, 2, 1, 199, 199, 64, False, (37, 21)),         # two-sided band, unaligned to the tiles
+    (1, 2, 2, 333, 333, 128, False, (0, 0)),          # the diagonal only
+    (1, 2, 2, 200, 4097, 64, False, (5000, None)),    # a reach past the start: every key seen
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
+@pytest.mark.gpu
+@needs_hopper
+def test_matches_oracle(case, dtype, gluon_calls):
+    B, H, Hkv, Sq, Sk, D, causal, window = case
+    check("triton", "cuda", dtype, B, H, Hkv, Sq, Sk, D, None, causal, window, None,
+          backward=Sq * Sk <= 4 * 1000 * 1000)
+    assert gluon_calls, "the Gluon forward did not run"
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=["mqa", "gqa-short-queries"])
+def test_strided_bshd_storage(case, gluon_calls):
+    # (batch, seq, heads, dim) storage seen through a transpose: 4-D TMA descriptors read it in place
+    B, H, Hkv, Sq, Sk, D, causal, window = case
+    check("triton", "cuda", torch.bfloat16, B, H, Hkv, Sq, Sk, D, None, causal, window, None, layout="bshd")
+    assert gluon_calls
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_agrees_with_the_triton_forward(monkeypatch):
+    q, k, v = (torch.randn(2, 16, 2048, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    with kf.use_backend("triton"):
+        out, lse = kf.flash_attention(q, k, v, causal=True, window=(512, None), return_lse=True)
+        monkeypatch.setitem(gluon.ENABLED, "window", False)
+        ref, ref_lse = kf.flash_attention(q, k, v, causal=True, window=(512, None), return_lse=True)
+    # both sum the same bf16 products in fp32 in another order: a few bf16 ulps of |out| <= ~3
+    assert (out.float() - ref.float()).abs().max().item() <= 2 ** -6
+    assert (lse - ref_lse).abs().max().item() <= 1e-4
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_keyless_rows_give_zeros(gluon_calls):
+    q = torch.randn(1, 2, 300, 64, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(1, 2, 100, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    with kf.use_backend("triton"):
+        out, lse = kf.flash_attention(q, k, v, causal=True, window=(10, None), return_lse=True)
+    assert gluon_calls
+    assert torch.all(out[:, :, :200] == 0) and torch.all(lse[:, :, :200] == -math.inf)
+    assert out[:, :, 200:].isfinite().all() and lse[:, :, 200:].isfinite().all()
+
+
+def _inputs(dtype=torch.bfloat16, D=128, device="cpu"):
+    return [torch.zeros(1, 2, 40, D, dtype=dtype, device=device) for _ in range(3)]
+
+
+def test_takes_only_what_it_supports():
+    q, k, v = _inputs()
+    window = Visibility.of(True, (64, None))
+    assert gluon.takes(q, k, v, window, (9, 0))
+    assert not gluon.takes(q, k, v, window, (10, 0)), "wgmma is sm_90 only"
+    assert not gluon.takes(q, k, v, window, (8, 0))
+    assert not gluon.takes(q, k, v, Visibility.of(True, None), (9, 0)), "no left bound: the Triton forward"
+    assert not gluon.takes(*_inputs(torch.float32), window, (9, 0))
+    assert not gluon.takes(*_inputs(D=96), window, (9, 0))
+    assert not gluon.takes(*_inputs(D=256), window, (9, 0))
+    mask = torch.ones(40, 40, dtype=torch.bool)
+    assert not gluon.takes(q, k, v, Visibility.of(True, (64, None), attn_mask=mask), (9, 0))
+    odd = torch.zeros(1, 2, 40, 129, dtype=torch.bfloat16)[..., :128]  # rows of 258 bytes: no TMA
+    assert not gluon.takes(odd, k, v, window, (9, 0))
+    assert not gluon.takes(q, k[:, :, :0], v[:, :, :0], window, (9, 0)), "no keys"
+
+
+@pytest.fixture(scope="module")
+def sm90_builds():
+    """compile_for_sm90 for each (head dim, right bound), in a process without TRITON_INTERPRET
+    (the CPU suite's interpreter replaces jit functions, so nothing compiles in this one)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json, torch\n"
+            "from kernelforge.triton.attention_gluon import compile_for_sm90\n"
+            "print(json.dumps({f'{d}-{r}': compile_for_sm90(d, torch.bfloat16, r)\n"
+            "                  for d in (64, 128) for r in (False, True)}))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("has_right", [False, True])
+def test_compiles_for_sm90_within_two_programs_an_sm(D, has_right, sm90_builds):
+    """The kernel builds for sm_90a with this Triton (no GPU needed: ptxas ships with Triton),
+    without spills, in registers and shared memory that let two programs share an SM."""
+    usage = sm90_builds[f"{D}-{has_right}"]
+    assert usage["spills"] == 0, usage
+    assert usage["registers"] * 128 * 2 <= 65536, usage
+    assert 2 * (usage["shared"] + 1024) <= 228 * 1024, usage
