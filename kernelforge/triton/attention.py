@@ -3,10 +3,10 @@
 flash_forward(q, k, v, scale, vis) -> (out, lse) and flash_backward(...) -> (dq, dk, dv), the
 backend interface of kernelforge/ops/attention.py. A few query tokens against a long cache
 take the split-key decode kernels (kernelforge/triton/attention_decode.py); a sliding window on
-an sm_90 GPU takes the Gluon forward (kernelforge/triton/attention_gluon.py) where it applies. Inputs may have any strides whose last
-dimension is unit (else one copy); outputs are dense. Masks are read through their strides
-(a broadcast mask is never materialized). Launches run on the current CUDA stream of q's
-device, and on CPU tensors under TRITON_INTERPRET=1.
+an sm_90 GPU takes the Gluon forward (kernelforge/triton/attention_gluon.py) where it applies.
+Inputs may have any strides whose last dimension is unit (else one copy); outputs are dense.
+Masks are read through their strides (a broadcast mask is never materialized). Launches run on
+the current CUDA stream of q's device, and on CPU tensors under TRITON_INTERPRET=1.
 """
 from __future__ import annotations
 
