@@ -44,6 +44,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernelforge.reference.attention import Visibility
 from kernelforge.triton._launch import launch
+from kernelforge.triton.attention_visibility import _row_range
 
 HEAD_DIMS = (64, 128)
 DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -62,21 +63,9 @@ def _band_tiles(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M: gl.constexpr, BLOCK_N: gl
                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
     """Key range of query rows [m0, m0 + BLOCK_M): first key tile `lo`, tile count (at least
     one: a tile past every visible key is fully masked), and [full_lo, full_hi), the tiles
-    inside every bound (attention_visibility._row_range's rule)."""
-    m_last = gl.minimum(m0 + BLOCK_M, Sq) - 1
-    lo = 0
-    hi = Sk
-    full_lo = 0
-    full_hi = (Sk // BLOCK_N) * BLOCK_N
-    if HAS_LEFT:
-        lo = gl.maximum(m0 + off - LEFT, 0) // BLOCK_N * BLOCK_N
-        full_lo = gl.maximum(m_last + off - LEFT + BLOCK_N - 1, 0) // BLOCK_N * BLOCK_N
-    if HAS_RIGHT:
-        hi = gl.minimum(hi, gl.maximum(m_last + off + RIGHT + 1, 0))
-        full_hi = gl.minimum(full_hi, gl.maximum(m0 + off + RIGHT + 1, 0) // BLOCK_N * BLOCK_N)
-    hi = gl.maximum(hi, lo)
-    full_lo = gl.minimum(gl.maximum(full_lo, lo), hi)
-    full_hi = gl.maximum(gl.minimum(full_hi, hi), full_lo)
+    inside every bound: the Triton kernels' _row_range (scalar integer math, which Gluon
+    traces as Triton does)."""
+    lo, full_lo, full_hi, hi = _row_range(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     lo = gl.minimum(lo, gl.maximum(Sk - 1, 0) // BLOCK_N * BLOCK_N)  # keep the (masked) first tile in range
     tiles = gl.maximum(gl.cdiv(hi - lo, BLOCK_N), 1)
     return lo, tiles, full_lo, full_hi
