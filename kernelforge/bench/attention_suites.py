@@ -1,6 +1,7 @@
 """Attention suites: full attention against FlashAttention-2 and cuDNN (through SDPA) and
-FlexAttention; a causal sliding window against FlexAttention on the same mask; decoding a
-few query tokens against a KV cache.
+FlexAttention; a causal sliding window against FlexAttention on the same mask; block-sparse
+patterns (a kernelforge BlockMask and Flex's, built from one mask function); decoding a few
+query tokens against a KV cache.
 
 `kernelforge.bench.suites` adds `attention_suites()` to its SUITES. Baselines that cannot
 take a case (SDPA's CUDA backends on the CPU, FlexAttention's backward on the CPU, the math
@@ -139,6 +140,61 @@ def _window_cost(shape, dtype: torch.dtype, direction: str) -> Cost:
     return _attention_cost(S * (window + 1), B, H, S, D, dtype, direction)
 
 
+# ----------------------------------------------------------------------------- block-sparse patterns
+def _local_global(b, h, q_idx, kv_idx):
+    """Longformer-style: keys within 256 positions either side, plus 64 global tokens that
+    every query sees and that see every key (not causal)."""
+    near = (q_idx - kv_idx <= 256) & (kv_idx - q_idx <= 256)
+    return near | (kv_idx < 64) | (q_idx < 64)
+
+
+def _dilated(b, h, q_idx, kv_idx):
+    """Causal, every second key among the 1024 before the query (itself included): no tile
+    is full, so every tile of it takes element masking."""
+    d = q_idx - kv_idx
+    return (d >= 0) & (d <= 1024) & (d % 2 == 0)
+
+
+BLOCK_PATTERNS = {"local_global": _local_global, "dilated": _dilated}
+
+
+@functools.lru_cache(maxsize=16)
+def _pattern_masks(pattern: str, seq: int, device: torch.device):
+    """(kernelforge BlockMask, FlexAttention BlockMask, visible pairs) of one pattern, from the
+    same mask function on 128 x 128 tiles, built once per case outside the timed calls."""
+    fn = BLOCK_PATTERNS[pattern]
+    ours = kf.BlockMask.from_mask_function(fn, seq, seq, device=device)
+    pairs = int(ours.to_dense().sum().item())
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        flex = create_block_mask(fn, None, None, seq, seq, device=device)
+    except Exception as err:  # noqa: BLE001 - the Flex row is left out with the reason
+        flex = err
+    return ours, flex, pairs
+
+
+def _flex_pattern():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def run(q, k, v, pattern):
+        if q.device.type == "cpu" and q.requires_grad:
+            raise _unavailable("FlexAttention has no backward on the CPU")
+        flex = _pattern_masks(pattern, q.shape[2], q.device)[1]
+        if isinstance(flex, Exception):
+            raise _unavailable(f"FlexAttention could not build the {pattern} mask: {flex}")
+        return compiled(q, k, v, block_mask=flex)
+
+    return run
+
+
+def _pattern_cost(shape, dtype: torch.dtype, direction: str) -> Cost:
+    B, H, S, D, pattern = shape
+    return _attention_cost(_pattern_masks(pattern, S, torch.device("cpu"))[2], B, H, S, D, dtype, direction)
+
+
 # ----------------------------------------------------------------------------- decode
 def _in_cuda_graph(fn):
     """fn captured in a CUDA graph on its first call with given inputs, replayed after: the
@@ -212,6 +268,21 @@ def attention_suites() -> dict:
             baselines=lambda: {"flex attention": _flex(sliding=True)},
             support_args=lambda inputs, direction: _support_args(inputs, direction, Visibility(inputs[3], 0)),
             label=lambda shape: "x".join(map(str, shape[:4])) + f" window {shape[4]}",
+        ),
+        # (B, H, S, D, pattern): a BlockMask pattern of BLOCK_PATTERNS, ours against Flex's
+        "attention_block_mask": Suite(
+            op="attention_block_mask",
+            registry_op="attention",
+            shapes=[(2, 16, 8192, 128, pattern) for pattern in BLOCK_PATTERNS],
+            quick_shapes=[(1, 2, 256, 32, "local_global")],
+            make_inputs=_self_attention_inputs,
+            cost=_pattern_cost,
+            kernelforge=lambda q, k, v, pattern: kf.flash_attention(
+                q, k, v, block_mask=_pattern_masks(pattern, q.shape[2], q.device)[0]),
+            baselines=lambda: {"flex attention": _flex_pattern()},
+            support_args=lambda inputs, direction: _support_args(inputs, direction, Visibility(
+                None, None, block_mask=_pattern_masks(inputs[3], inputs[0].shape[2], inputs[0].device)[0])),
+            label=lambda shape: "x".join(map(str, shape[:4])) + f" {shape[4]}",
         ),
         # (B, H, H_kv, Sq, Sk, D): Sq new tokens against a cache of Sk keys, forward only.
         # Not causal: for Sq > 1 the last Sq keys would be masked bottom-right, which SDPA's

@@ -2,8 +2,9 @@
 
 flash_forward(q, k, v, scale, vis) -> (out, lse) and flash_backward(...) -> (dq, dk, dv), the
 backend interface of kernelforge/ops/attention.py. A few query tokens against a long cache
-take the split-key decode kernels (kernelforge/triton/attention_decode.py); a sliding window on
-an sm_90 GPU takes the Gluon forward (kernelforge/triton/attention_gluon.py) where it applies.
+take the split-key decode kernels (kernelforge/triton/attention_decode.py); a sliding window or a
+BlockMask on an sm_90 GPU takes the Gluon forward (kernelforge/triton/attention_gluon.py) where
+it applies.
 Inputs may have any strides whose last dimension is unit (else one copy); outputs are dense.
 Masks are read through their strides (a broadcast mask is never materialized). Launches run on
 the current CUDA stream of q's device, and on CPU tensors under TRITON_INTERPRET=1.
@@ -152,7 +153,7 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-def _gluon_band():
+def _gluon_forward():
     """kernelforge.triton.attention_gluon, or None where this Triton has no Gluon for Hopper."""
     try:
         from kernelforge.triton import attention_gluon
@@ -166,11 +167,12 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     if attention_decode.takes(q, k, vis):  # a few queries, a long cache: split the keys
         return attention_decode.decode_forward(q, k, v, scale, vis, _mask_args(q, vis), _band(vis), _precision(q),
                                                _pow2, LOG2E)
-    if q.is_cuda and vis.left is not None:  # a sliding window on Hopper: the Gluon forward (attention_gluon.py)
-        band = _gluon_band()
-        if band is not None and band.takes(q, k, v, vis, device_capability(q.device)):
+    if q.is_cuda and (vis.left is not None or vis.block_mask is not None):
+        # a sliding window or a BlockMask on Hopper: the Gluon forward (attention_gluon.py)
+        gluon = _gluon_forward()
+        if gluon is not None and gluon.takes(q, k, v, vis, device_capability(q.device)):
             with on_device(q):
-                return band.band_forward(q, k, v, scale, vis)
+                return gluon.forward(q, k, v, scale, vis)
     B, H, Sq, D = q.shape
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     out = torch.empty(B, H, Sq, Dv, dtype=q.dtype, device=q.device)

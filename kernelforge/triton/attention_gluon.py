@@ -60,7 +60,7 @@ NUM_WARPS = 4
 LOG2E = 1.4426950408889634
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 # Off switch for experiments (benchmarks/gluon_window_experiment.py times both forwards).
-ENABLED = {"window": True}
+ENABLED = {"window": True, "block_mask": True}
 
 
 @gluon.jit
@@ -85,11 +85,39 @@ def _issue_tile(desc, bufs, ready, b, hk, n0, slot, pred):
 
 
 @gluon.jit
-def _tile_softmax(s, m_i, l_i, n0, rows, cols, full_lo, full_hi, Sq, Sk, off, LEFT, RIGHT, qk_scale,
-                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """Online softmax of one raw score tile: the masked edge tiles, the new running max (log2
-    units) and sum, P, and alpha = exp2(m_old - m_new) for the accumulator."""
-    if (n0 < full_lo) | (n0 >= full_hi):
+def _key_tile(t, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N: gl.constexpr,
+              BLOCK_SPARSE: gl.constexpr, MB_K: gl.constexpr, HAS_BAND: gl.constexpr):
+    """The program's t-th key tile: its first key, its partial-tile id (-1: none; -2: the
+    stand-in tile of a query row with nothing listed, every pair hidden) and whether it needs
+    per-element masking. A band's tiles run from `lo`; a BlockMask's come from its list
+    (full tiles first), each mask tile cut into MB_K / BLOCK_N kernel tiles. Past the list the
+    id is -2 too: such tiles are only ever prefetched under a false predicate."""
+    if BLOCK_SPARSE:
+        SUB: gl.constexpr = MB_K // BLOCK_N
+        entry = t // SUB
+        listed = entry < count
+        kb = gl.load(BLOCKS + list_base + entry, mask=listed, other=0)
+        partial_id = gl.load(PARTIAL + list_base + entry, mask=listed, other=-2)
+        n0 = kb * MB_K + (t % SUB) * BLOCK_N
+        if HAS_BAND:  # a band on top of the block mask: every tile checks it
+            edge = partial_id > -3
+        else:  # full tiles lie inside Sq x Sk: only partial ones (tails included) need checks
+            edge = partial_id != -1
+    else:
+        n0 = lo + t * BLOCK_N
+        partial_id = -1
+        edge = (n0 < full_lo) | (n0 >= full_hi)
+    return n0, partial_id, edge
+
+
+@gluon.jit
+def _tile_softmax(s, m_i, l_i, n0, partial_id, edge, rows, cols, Sq, Sk, off, LEFT, RIGHT, qk_scale, BITS,
+                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_SPARSE: gl.constexpr,
+                  MB_Q: gl.constexpr, MB_K: gl.constexpr):
+    """Online softmax of one raw score tile: the masks of an edge tile (band, tails, a
+    partial tile's bits), the new running max (log2 units) and sum, P, and
+    alpha = exp2(m_old - m_new) for the accumulator."""
+    if edge:
         j = n0 + cols[None, :]
         i = rows[:, None]
         ok = (i < Sq) & (j < Sk)
@@ -97,6 +125,10 @@ def _tile_softmax(s, m_i, l_i, n0, rows, cols, full_lo, full_hi, Sq, Sk, off, LE
             ok = ok & (j >= i + off - LEFT)
         if HAS_RIGHT:
             ok = ok & (j <= i + off + RIGHT)
+        if BLOCK_SPARSE:  # a partial tile's element bits (one byte each, L2-resident)
+            bits = gl.load(BITS + partial_id.to(gl.int64) * (MB_Q * MB_K) + (i % MB_Q) * MB_K + (j % MB_K),
+                           mask=ok & (partial_id >= 0), other=1)
+            ok = ok & (bits != 0) & (partial_id != -2)
         s = gl.where(ok, s, float("-inf"))
     # qk_scale > 0: max(s) * scale is the max of the scaled scores; s * scale - m is one FMA
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
@@ -108,13 +140,14 @@ def _tile_softmax(s, m_i, l_i, n0, rows, cols, full_lo, full_hi, Sq, Sk, off, LE
 
 
 @gluon.jit
-def band_forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE,
-                        H, GROUP, Sq, Sk, off, LEFT, RIGHT, qk_scale,
-                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr,
-                        num_warps: gl.constexpr):
+def forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE, COUNTS, BLOCKS, PARTIAL, BITS, scb, sch, sbb, sbh, NUM_MB_K,
+                   H, GROUP, Sq, Sk, off, LEFT, RIGHT, qk_scale,
+                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_SPARSE: gl.constexpr, MB_Q: gl.constexpr,
+                   MB_K: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    HAS_BAND: gl.constexpr = HAS_LEFT or HAS_RIGHT
     dtype: gl.constexpr = q_desc.dtype
 
     pid_bh = gl.program_id(1)
@@ -122,7 +155,18 @@ def band_forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE,
     h = pid_bh % H
     hk = h // GROUP
     m0 = gl.program_id(0) * BLOCK_M
-    lo, tiles, full_lo, full_hi = _band_tiles(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    if BLOCK_SPARSE:  # the mask's row of query tiles holding rows [m0, m0 + BLOCK_M)
+        lo = 0
+        full_lo = 0
+        full_hi = 0
+        count = gl.load(COUNTS + b * scb + h * sch + m0 // MB_Q)
+        list_base = b * sbb + h * sbh + (m0 // MB_Q) * NUM_MB_K
+        tiles = gl.maximum(count * (MB_K // BLOCK_N), 1)  # nothing listed: one stand-in tile, all hidden
+    else:
+        lo, tiles, full_lo, full_hi = _band_tiles(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                                  HAS_RIGHT)
+        count = 0
+        list_base = 0
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -146,8 +190,10 @@ def band_forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE,
     mbarrier.expect(q_ready, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], q_ready, q_buf)
     for st in gl.static_range(STAGES):
-        _issue_tile(k_desc, k_bufs, k_ready, b, hk, lo + st * BLOCK_N, st, st < tiles)
-        _issue_tile(v_desc, v_bufs, v_ready, b, hk, lo + st * BLOCK_N, st, st < tiles)
+        n0, partial_id, edge = _key_tile(st, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
+                                         BLOCK_SPARSE, MB_K, HAS_BAND)
+        _issue_tile(k_desc, k_bufs, k_ready, b, hk, n0, st, st < tiles)
+        _issue_tile(v_desc, v_bufs, v_ready, b, hk, n0, st, st < tiles)
 
     q = q_buf.reshape([BLOCK_M, HEAD_DIM])
     rows = m0 + gl.arange(0, BLOCK_M, layout=s_rows)
@@ -160,11 +206,15 @@ def band_forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE,
     s = warpgroup_mma(q, k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                       use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
-    _issue_tile(k_desc, k_bufs, k_ready, b, hk, lo + STAGES * BLOCK_N, 0, STAGES < tiles)  # K slot 0 is free
+    n_ahead, _, _ = _key_tile(STAGES, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
+                              BLOCK_SPARSE, MB_K, HAS_BAND)
+    _issue_tile(k_desc, k_bufs, k_ready, b, hk, n_ahead, 0, STAGES < tiles)  # K slot 0 is free
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, s_rows)
     l_i = gl.zeros([BLOCK_M], gl.float32, s_rows)
-    p, m_i, l_i, alpha = _tile_softmax(s, m_i, l_i, lo, rows, cols, full_lo, full_hi, Sq, Sk, off, LEFT, RIGHT,
-                                       qk_scale, HAS_LEFT, HAS_RIGHT)
+    n0, partial_id, edge = _key_tile(0, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
+                                     BLOCK_SPARSE, MB_K, HAS_BAND)
+    p, m_i, l_i, alpha = _tile_softmax(s, m_i, l_i, n0, partial_id, edge, rows, cols, Sq, Sk, off, LEFT, RIGHT,
+                                       qk_scale, BITS, HAS_LEFT, HAS_RIGHT, BLOCK_SPARSE, MB_Q, MB_K)
     p = gl.convert_layout(p.to(dtype), p_layout)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
 
@@ -178,12 +228,18 @@ def band_forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE,
         acc = warpgroup_mma(p, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))
         # S_j is done with K slot `stage`: refill it with K tile j + STAGES under the softmax
-        _issue_tile(k_desc, k_bufs, k_ready, b, hk, lo + (j + STAGES) * BLOCK_N, stage, j + STAGES < tiles)
-        p_next, m_i, l_i, alpha = _tile_softmax(s, m_i, l_i, lo + j * BLOCK_N, rows, cols, full_lo, full_hi, Sq,
-                                                Sk, off, LEFT, RIGHT, qk_scale, HAS_LEFT, HAS_RIGHT)
+        n_ahead, _, _ = _key_tile(j + STAGES, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
+                                  BLOCK_SPARSE, MB_K, HAS_BAND)
+        _issue_tile(k_desc, k_bufs, k_ready, b, hk, n_ahead, stage, j + STAGES < tiles)
+        n0, partial_id, edge = _key_tile(j, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
+                                         BLOCK_SPARSE, MB_K, HAS_BAND)
+        p_next, m_i, l_i, alpha = _tile_softmax(s, m_i, l_i, n0, partial_id, edge, rows, cols, Sq, Sk, off, LEFT,
+                                                RIGHT, qk_scale, BITS, HAS_LEFT, HAS_RIGHT, BLOCK_SPARSE, MB_Q, MB_K)
         acc, p = warpgroup_mma_wait(0, deps=(acc, p))
         # P_{j-1} V_{j-1} is done with V slot `prev`: refill it with V tile j - 1 + STAGES
-        _issue_tile(v_desc, v_bufs, v_ready, b, hk, lo + (j - 1 + STAGES) * BLOCK_N, prev, j - 1 + STAGES < tiles)
+        n_ahead, _, _ = _key_tile(j - 1 + STAGES, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
+                                  BLOCK_SPARSE, MB_K, HAS_BAND)
+        _issue_tile(v_desc, v_bufs, v_ready, b, hk, n_ahead, prev, j - 1 + STAGES < tiles)
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         p = gl.convert_layout(p_next.to(dtype), p_layout)
 
@@ -219,10 +275,16 @@ def _tma_ready(t: torch.Tensor) -> bool:
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility, capability) -> bool:
-    """Whether this forward runs these inputs: an sm_90 GPU, a band with a bounded left reach,
-    no attn_mask and no block mask, fp16 / bf16 with head dims 64 or 128, non-empty, TMA-able."""
-    return (ENABLED["window"] and capability == (9, 0) and vis.left is not None and vis.attn_mask is None
-            and vis.block_mask is None and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
+    """Whether this forward runs these inputs: an sm_90 GPU; a band with a bounded left reach,
+    or a BlockMask whose tiles are multiples of the kernel's 64 x 64 (with or without a band);
+    no attn_mask; fp16 / bf16 with head dims 64 or 128; non-empty; TMA-able."""
+    bm = vis.block_mask
+    if bm is not None:
+        region = ENABLED["block_mask"] and bm.block_q % BLOCK_M == 0 and bm.block_k % BLOCK_N == 0
+    else:
+        region = ENABLED["window"] and vis.left is not None
+    return (region and capability == (9, 0) and vis.attn_mask is None
+            and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
             and q.shape[-1] in HEAD_DIMS and v.shape[-1] == q.shape[-1] and q.shape[2] > 0 and k.shape[2] > 0
             and all(_tma_ready(t) for t in (q, k, v)))
 
@@ -238,23 +300,40 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
                             _shared_layout(rows, t.shape[-1], t.dtype))
 
 
-def band_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, vis: Visibility):
-    """(out, lse) of the band forward; q, k, v as (B, H, S, D) with a unit last stride."""
+def _arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+               scale: float, vis: Visibility):
+    """forward_kernel's arguments and constexprs (the BlockMask's per-query-tile lists, or
+    stand-ins the band's trace never reads)."""
+    H, Sq, Hkv, Sk = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
+    bm = vis.block_mask
+    if bm is None:
+        lists, mb_q, mb_k = (lse, lse, lse, lse, 0, 0, 0, 0, 0), BLOCK_M, BLOCK_N
+    else:
+        counts, blocks = bm.kv_counts, bm.kv_blocks
+        lists = (counts, blocks, bm.kv_partial, bm.partial_masks,
+                 *(0 if counts.shape[d] == 1 else counts.stride(d) for d in (0, 1)),
+                 *(0 if blocks.shape[d] == 1 else blocks.stride(d) for d in (0, 1)), blocks.shape[-1])
+        mb_q, mb_k = bm.block_q, bm.block_k
+    args = (_descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(out, BLOCK_M),
+            lse, *lists, H, H // Hkv, Sq, Sk, Sk - Sq, vis.left if vis.left is not None else 0,
+            vis.right if vis.right is not None else 0, scale * LOG2E)
+    constexprs = dict(HAS_LEFT=vis.left is not None, HAS_RIGHT=vis.right is not None, BLOCK_SPARSE=bm is not None,
+                      MB_Q=mb_q, MB_K=mb_k, STAGES=STAGES, num_warps=NUM_WARPS)
+    return args, constexprs
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, vis: Visibility):
+    """(out, lse); q, k, v as (B, H, S, D) with a unit last stride, `takes` having agreed."""
     B, H, Sq, D = q.shape
-    Hkv, Sk = k.shape[1], k.shape[2]
     out = torch.empty(B, H, Sq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
-    left = vis.left
-    right = vis.right if vis.right is not None else 0
-    launch(band_forward_kernel, (triton.cdiv(Sq, BLOCK_M), B * H),
-           _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(out, BLOCK_M), lse,
-           H, H // Hkv, Sq, Sk, Sk - Sq, left, right, scale * LOG2E,
-           HAS_LEFT=True, HAS_RIGHT=vis.right is not None, STAGES=STAGES, num_warps=NUM_WARPS)
+    args, constexprs = _arguments(q, k, v, out, lse, scale, vis)
+    launch(forward_kernel, (triton.cdiv(Sq, BLOCK_M), B * H), *args, **constexprs)
     return out, lse
 
 
 # ----------------------------------------------------------------------------- build check
-def compile_for_sm90(head_dim: int, dtype: torch.dtype, has_right: bool) -> dict:
+def compile_for_sm90(head_dim: int, dtype: torch.dtype, has_right: bool, block_sparse: bool = False) -> dict:
     """Compile the kernel for sm_90a without a GPU (Triton's own ptxas) and report its
     registers a thread, spilled bytes and shared memory: the test suite's check that this
     Triton still builds it within two programs an SM."""
@@ -267,14 +346,18 @@ def compile_for_sm90(head_dim: int, dtype: torch.dtype, has_right: bool) -> dict
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    q = torch.zeros(1, 2, 128, head_dim, dtype=dtype)
-    args = dict(q_desc=_descriptor(q, BLOCK_M), k_desc=_descriptor(q, BLOCK_N), v_desc=_descriptor(q, BLOCK_N),
-                o_desc=_descriptor(q, BLOCK_M), LSE=torch.zeros(4), H=2, GROUP=1, Sq=1000, Sk=1000, off=0,
-                LEFT=512, RIGHT=0, qk_scale=0.1)
-    signature = {name: mangle_type(arg) for name, arg in args.items()}
-    constexprs = {"HAS_LEFT": True, "HAS_RIGHT": has_right, "STAGES": STAGES, "num_warps": NUM_WARPS}
+    q = torch.zeros(1, 2, 1000, head_dim, dtype=dtype)
+    lse = torch.zeros(1, 2, 1000)
+    if block_sparse:  # the benchmark's mask: a causal window of 512 keys on 128 x 128 tiles
+        from kernelforge.block_mask import sliding_window_block_mask
+        vis = Visibility(None, 0 if has_right else None, block_mask=sliding_window_block_mask(1000, 1000, 512))
+    else:
+        vis = Visibility(512, 0 if has_right else None)
+    values, constexprs = _arguments(q, q, q, q, lse, 0.1, vis)
+    names = forward_kernel.arg_names
+    signature = {name: mangle_type(arg) for name, arg in zip(names, values)}
     signature.update({name: "constexpr" for name in constexprs})
-    compiled = triton.compile(GluonASTSource(band_forward_kernel, signature, constexprs=constexprs),
+    compiled = triton.compile(GluonASTSource(forward_kernel, signature, constexprs=constexprs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
     with tempfile.TemporaryDirectory() as tmp:
         ptx = f"{tmp}/kernel.ptx"

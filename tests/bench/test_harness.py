@@ -292,6 +292,7 @@ def test_attention_baselines_compute_the_same_attention():
 
     for op, impls in (("attention", ("torch eager", "flex attention")),
                       ("attention_window", ("kernelforge block_mask", "flex attention")),
+                      ("attention_block_mask", ("flex attention",)),
                       ("attention_decode", ("sdpa",))):
         suite = SUITES[op]
         inputs = suite.make_inputs(suite.quick_shapes[0], torch.float32, torch.device("cpu"))
@@ -320,6 +321,14 @@ def test_attention_costs():
     window = SUITES["attention_window"].cost((2, 16, 8192, 128, 512), torch.bfloat16, "fwd")
     # TARGETS.md: FlexAttention's 0.333 ms is 206 TFLOP/s counting the window's FLOPs
     assert roofline(window, 0.333, Ceilings("gpu", 1.0, {"bf16": 700.0}))["tflops"] == pytest.approx(206.7, abs=0.1)
+
+    patterns = SUITES["attention_block_mask"]
+    assert patterns.label((2, 16, 8192, 128, "dilated")) == "2x16x8192x128 dilated"
+    # the visible pairs of the mask, counted: a causal dilation-2 window of 1024 sees 513 keys
+    # a row once past the first 1024 queries, and (i // 2 + 1) before
+    dilated = patterns.cost((1, 1, 2048, 64, "dilated"), torch.bfloat16, "fwd")
+    pairs = sum(min(i, 1024) // 2 + 1 for i in range(2048))
+    assert dilated.flops == 4 * pairs * 64
 
     decode = SUITES["attention_decode"]
     assert len(decode.shapes) == 24 and decode.directions == ("fwd",)

@@ -1,10 +1,12 @@
-"""The Gluon sliding-window forward (kernelforge/triton/attention_gluon.py).
+"""The Gluon forward for a sliding window or a BlockMask (kernelforge/triton/attention_gluon.py).
 
 On an sm_90 GPU: output, lse and (through the Triton backward) gradients against the float64
 oracle at odd lengths, grouped heads, Sq != Sk, both head dims, both dtypes, strided
-storage and keyless rows, with a check that the Gluon kernel really ran. Everywhere: the
-kernel compiles for sm_90 under the pinned Triton within the budget that lets two programs
-share an SM, and `takes` sends it exactly the calls it supports."""
+storage and keyless rows; block masks of every pattern, tile size and broadcast, alone and
+with a band, with query tiles that list nothing; each with a check that the Gluon kernel
+really ran. Everywhere: the kernel compiles for sm_90 under the pinned Triton within the
+budget that lets two programs share an SM, and `takes` sends it exactly the calls it
+supports."""
 import math
 
 import pytest
@@ -14,6 +16,7 @@ import kernelforge as kf
 from kernelforge.reference.attention import Visibility
 from tests.conftest import HAS_CUDA
 from tests.ops.test_attention import check
+from tests.ops.test_block_mask import _check_block_sparse
 
 gluon = pytest.importorskip("kernelforge.triton.attention_gluon")
 
@@ -25,13 +28,13 @@ needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU (wgm
 def gluon_calls(monkeypatch):
     """How many times the Gluon forward ran."""
     calls = []
-    real = gluon.band_forward
+    real = gluon.forward
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(gluon, "band_forward", counted)
+    monkeypatch.setattr(gluon, "forward", counted)
     return calls
 
 
@@ -94,6 +97,65 @@ def test_keyless_rows_give_zeros(gluon_calls):
     assert out[:, :, 200:].isfinite().all() and lse[:, :, 200:].isfinite().all()
 
 
+# (name, BlockMask maker, H, Hkv, D, causal, window): every pattern, both tile sizes the kernel
+# takes (64 and 128, each side), a per-batch mask, and a band on top of a mask
+BLOCK_CASES = [
+    ("window-128", lambda: kf.sliding_window_block_mask(4097, 4097, 512), 4, 4, 128, False, None),
+    ("window-two-sided-64x128", lambda: kf.sliding_window_block_mask(1000, 1000, 100, causal=False, block_q=64),
+     4, 1, 64, False, None),
+    ("local-global-128x64", lambda: kf.local_global_block_mask(333, 1000, 64, 17, block_k=64), 8, 2, 128, False,
+     None),
+    ("dilated-64", lambda: kf.dilated_block_mask(1000, 1000, 300, 3, block_q=64, block_k=64), 2, 2, 64, False,
+     None),
+    ("random-per-batch-64", lambda: kf.BlockMask.from_dense(torch.rand(2, 1, 199, 333) > 0.8, 64, 64), 2, 2, 128,
+     False, None),
+    ("local-global-with-causal-window", lambda: kf.local_global_block_mask(1000, 1000, 200, 64), 2, 1, 128, True,
+     (150, None)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=[c[0] for c in BLOCK_CASES])
+@pytest.mark.gpu
+@needs_hopper
+def test_block_sparse_matches_oracle(case, dtype, gluon_calls):
+    _, make, H, Hkv, D, causal, window = case
+    _check_block_sparse("triton", "cuda", dtype, make(), H, Hkv, D, causal=causal, window=window)
+    assert gluon_calls, "the Gluon forward did not run"
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_block_sparse_query_tiles_with_nothing_listed(gluon_calls):
+    """Whole 64-row blocks see no key (nothing listed: the kernel's all-hidden stand-in tile),
+    others a few keys: zeros and -inf where nothing is seen, the oracle elsewhere."""
+    Sq, Sk = 300, 200
+    dense = torch.rand(1, 2, Sq, Sk) > 0.5
+    dense[:, :, 64:192] = False
+    bm = kf.BlockMask.from_dense(dense, block_q=64, block_k=64).to("cuda")
+    assert bm.kv_counts[0, 0, 1].item() == 0
+    q = torch.randn(1, 2, Sq, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, Sk, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    with kf.use_backend("triton"):
+        out, lse = kf.flash_attention(q, k, v, block_mask=bm, return_lse=True)
+    assert gluon_calls
+    assert torch.all(out[:, :, 64:192] == 0) and torch.all(lse[:, :, 64:192] == -math.inf)
+    _check_block_sparse("triton", "cuda", torch.bfloat16, kf.BlockMask.from_dense(dense, 64, 64), 2, 2, 64)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_block_sparse_agrees_with_the_triton_forward(monkeypatch):
+    q, k, v = (torch.randn(2, 8, 2048, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    bm = kf.sliding_window_block_mask(2048, 2048, 512, device="cuda")
+    with kf.use_backend("triton"):
+        out, lse = kf.flash_attention(q, k, v, block_mask=bm, return_lse=True)
+        monkeypatch.setitem(gluon.ENABLED, "block_mask", False)
+        ref, ref_lse = kf.flash_attention(q, k, v, block_mask=bm, return_lse=True)
+    assert (out.float() - ref.float()).abs().max().item() <= 2 ** -6
+    assert (lse - ref_lse).abs().max().item() <= 1e-4
+
+
 def _inputs(dtype=torch.bfloat16, D=128, device="cpu"):
     return [torch.zeros(1, 2, 40, D, dtype=dtype, device=device) for _ in range(3)]
 
@@ -115,6 +177,22 @@ def test_takes_only_what_it_supports():
     assert not gluon.takes(q, k[:, :, :0], v[:, :, :0], window, (9, 0)), "no keys"
 
 
+def test_takes_block_masks_in_whole_kernel_tiles():
+    q, k, v = _inputs()
+    for block_q, block_k in ((128, 128), (64, 128), (128, 64), (64, 64), (256, 128)):
+        bm = kf.sliding_window_block_mask(40, 40, 8, block_q=block_q, block_k=block_k)
+        assert gluon.takes(q, k, v, Visibility.of(False, None, block_mask=bm), (9, 0)), (block_q, block_k)
+        assert gluon.takes(q, k, v, Visibility.of(True, (16, None), block_mask=bm), (9, 0)), "with a band"
+        assert not gluon.takes(q, k, v, Visibility.of(False, None, block_mask=bm), (8, 0))
+    for block_q, block_k in ((32, 128), (128, 32), (16, 16)):  # smaller than a kernel tile: the Triton forward
+        bm = kf.sliding_window_block_mask(40, 40, 8, block_q=block_q, block_k=block_k)
+        assert not gluon.takes(q, k, v, Visibility.of(False, None, block_mask=bm), (9, 0)), (block_q, block_k)
+    bm = kf.sliding_window_block_mask(40, 40, 8)
+    mask = torch.ones(40, 40, dtype=torch.bool)
+    assert not gluon.takes(q, k, v, Visibility.of(False, None, attn_mask=mask, block_mask=bm), (9, 0))
+    assert not gluon.takes(*_inputs(torch.float32), Visibility.of(False, None, block_mask=bm), (9, 0))
+
+
 @pytest.fixture(scope="module")
 def sm90_builds():
     """compile_for_sm90 for each (head dim, right bound), in a process without TRITON_INTERPRET
@@ -126,8 +204,8 @@ def sm90_builds():
 
     code = ("import json, torch\n"
             "from kernelforge.triton.attention_gluon import compile_for_sm90\n"
-            "print(json.dumps({f'{d}-{r}': compile_for_sm90(d, torch.bfloat16, r)\n"
-            "                  for d in (64, 128) for r in (False, True)}))\n")
+            "print(json.dumps({f'{d}-{r}-{s}': compile_for_sm90(d, torch.bfloat16, r, s)\n"
+            "                  for d in (64, 128) for r in (False, True) for s in (False, True)}))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -136,10 +214,11 @@ def sm90_builds():
 
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("has_right", [False, True])
-def test_compiles_for_sm90_within_two_programs_an_sm(D, has_right, sm90_builds):
+@pytest.mark.parametrize("block_sparse", [False, True], ids=["band", "block-mask"])
+def test_compiles_for_sm90_within_two_programs_an_sm(D, has_right, block_sparse, sm90_builds):
     """The kernel builds for sm_90a with this Triton (no GPU needed: ptxas ships with Triton),
     without spills, in registers and shared memory that let two programs share an SM."""
-    usage = sm90_builds[f"{D}-{has_right}"]
+    usage = sm90_builds[f"{D}-{has_right}-{block_sparse}"]
     assert usage["spills"] == 0, usage
     assert usage["registers"] * 128 * 2 <= 65536, usage
     assert 2 * (usage["shared"] + 1024) <= 228 * 1024, usage
