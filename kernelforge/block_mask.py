@@ -19,8 +19,9 @@ a partial tile (and it adds score_mod). This BlockMask instead stores the elemen
 each partial tile (one byte per element, block_q * block_k bytes a partial tile), so any
 Python mask function works in eager mode with no code generation, at a memory cost that
 grows with the number of partial tiles (for a sliding window of S tokens: about 2*S/block_q
-partial tiles, 2 MiB at S=8192 with 128x128 tiles), and the mask is evaluated once when the
-BlockMask is built, not in every kernel.
+partial tiles, 1 MiB at S=8192 with 64x64 tiles), and the mask is evaluated once when the
+BlockMask is built, not in every kernel. Flex's tiles default to 128 x 128; these default to
+64 x 64, the kernels' own tile (DEFAULT_BLOCK says why).
 
 Layout (Bm, Hm are 1 or the batch / head count, broadcast like a mask):
   kv_counts  (Bm, Hm, QB)      int32  tiles to visit for query tile qb
@@ -35,6 +36,8 @@ their loads pipeline), then the partial ones. A tile is full only when it lies w
 inside Sq x Sk: tiles at the tails are partial, so the full loop needs no bounds checks.
   partial_masks (P, block_q, block_k) uint8: element bits of partial tile p (rows past Sq
       and columns past Sk are 0)
+  partial_words (P, block_q, ceil(block_k / 64)) int64: the same bits, 64 columns a word (the
+      Gluon forward reads a row of a 64-key tile in one load)
 """
 from __future__ import annotations
 
@@ -45,6 +48,13 @@ import torch
 
 MaskFunction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 EMPTY, FULL = -2, -1  # tile kinds in the dense kind table; >= 0 is a partial id
+# Mask tiles default to the Gluon forward's and the Triton backward's 64 x 64 kernel tile: a
+# coarser mask tile makes the kernels walk its empty sub-tiles. Measured on an H200 (S = 8192,
+# d128, bf16; benchmarks/results/nvidia-h200/attention/block-mask-experiment/), forward
+# against forward+backward, 64 x 64 against 128 x 128 tiles: a causal window of 512 217 against
+# 282 us and 1.04 against 1.23 ms; local + global 324 against 580 us and 1.75 against 2.44 ms.
+# The cost: four times the list entries (O((Sq / 64) * (Sk / 64)) int32s each).
+DEFAULT_BLOCK = 64
 
 
 def _check_block(name: str, value: int) -> int:
@@ -68,6 +78,7 @@ class BlockMask:
     partial_masks: torch.Tensor
     kv_full: torch.Tensor
     q_full: torch.Tensor
+    partial_words: torch.Tensor
 
     # --------------------------------------------------------------- construction
     @staticmethod
@@ -77,11 +88,12 @@ class BlockMask:
         listed = kinds != EMPTY
         kv_counts, kv_blocks, kv_partial, kv_full = _lists(listed, kinds)
         q_counts, q_blocks, q_partial, q_full = _lists(listed.transpose(-1, -2), kinds.transpose(-1, -2))
+        partial_masks = partial_masks.to(torch.uint8).contiguous()
         return BlockMask(q_len, kv_len, block_q, block_k, kv_counts, kv_blocks, kv_partial,
-                         q_counts, q_blocks, q_partial, partial_masks.to(torch.uint8).contiguous(), kv_full, q_full)
+                         q_counts, q_blocks, q_partial, partial_masks, kv_full, q_full, _packed_words(partial_masks))
 
     @staticmethod
-    def from_dense(mask: torch.Tensor, block_q: int = 128, block_k: int = 128) -> "BlockMask":
+    def from_dense(mask: torch.Tensor, block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK) -> "BlockMask":
         """From a boolean mask of shape (Sq, Sk), (H, Sq, Sk) or (B, H, Sq, Sk) (B, H may be 1):
         True where the query may attend to the key."""
         if mask.dtype != torch.bool:
@@ -98,7 +110,7 @@ class BlockMask:
 
     @staticmethod
     def from_mask_function(fn: MaskFunction, q_len: int, kv_len: int, *, batch: Optional[int] = None,
-                           heads: Optional[int] = None, block_q: int = 128, block_k: int = 128,
+                           heads: Optional[int] = None, block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK,
                            device: torch.device | str = "cpu") -> "BlockMask":
         """Evaluate fn(b, h, q_idx, kv_idx) -> bool on broadcast index tensors, one row of
         query tiles at a time (memory: block_q x Sk per batch and head), and classify tiles.
@@ -191,8 +203,20 @@ class BlockMask:
                 f"density={self.density():.3f}, partial_tiles={n_partial})")
 
 
+def _packed_words(partial_masks: torch.Tensor) -> torch.Tensor:
+    """The partial tiles' bits packed 64 columns to a word, for kernels that read a tile row's
+    bits in one load: bit c of word w holds column 64 w + c (a last word is zero-padded).
+    (P, block_q, ceil(block_k / 64)) int64, 1/8 of partial_masks' bytes. Packed a byte at a
+    time, then read as little-endian words (the byte order of every platform torch runs on)."""
+    P, bq, bk = partial_masks.shape
+    words = -(-bk // 64)
+    bits = torch.nn.functional.pad(partial_masks, (0, words * 64 - bk)).view(P, bq, words * 8, 8)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=bits.device)
+    return (bits * weights).sum(-1, dtype=torch.uint8).view(torch.int64).contiguous()
+
+
 _TENSOR_FIELDS = ("kv_counts", "kv_blocks", "kv_partial", "q_counts", "q_blocks", "q_partial", "partial_masks",
-                  "kv_full", "q_full")
+                  "kv_full", "q_full", "partial_words")
 
 
 def _lists(listed: torch.Tensor, kinds: torch.Tensor):
@@ -215,7 +239,7 @@ def _lists(listed: torch.Tensor, kinds: torch.Tensor):
 
 # ----------------------------------------------------------------------------- patterns
 def sliding_window_block_mask(q_len: int, kv_len: int, window: int, *, causal: bool = True,
-                              block_q: int = 128, block_k: int = 128,
+                              block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK,
                               device: torch.device | str = "cpu") -> BlockMask:
     """Each query sees the `window` keys before it (and itself); causal=False adds the
     `window` keys after it. Queries align to the last keys (offset Sk - Sq), as causal does."""
@@ -229,7 +253,7 @@ def sliding_window_block_mask(q_len: int, kv_len: int, window: int, *, causal: b
 
 
 def local_global_block_mask(q_len: int, kv_len: int, window: int, global_tokens: int, *, causal: bool = False,
-                            block_q: int = 128, block_k: int = 128,
+                            block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK,
                             device: torch.device | str = "cpu") -> BlockMask:
     """Longformer-style: a local band of +-`window` keys, plus `global_tokens` leading
     tokens that every query sees and that see every key (causal=True keeps only keys at
@@ -245,7 +269,7 @@ def local_global_block_mask(q_len: int, kv_len: int, window: int, global_tokens:
 
 
 def dilated_block_mask(q_len: int, kv_len: int, window: int, dilation: int, *, causal: bool = True,
-                       block_q: int = 128, block_k: int = 128,
+                       block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK,
                        device: torch.device | str = "cpu") -> BlockMask:
     """Dilated sliding window: each query sees every `dilation`-th key within `window`
     positions (window * dilation keys span), the query's own key included."""

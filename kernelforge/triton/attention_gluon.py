@@ -111,20 +111,23 @@ def _key_tile(t, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_
 
 
 @gluon.jit
-def _tile_bits(BITS, partial_id, m0, n0, bits_offsets, BLOCK_SPARSE: gl.constexpr, MB_Q: gl.constexpr,
-               MB_K: gl.constexpr):
-    """A partial tile's element bits (one byte each, L2-resident; the kernel tile lies inside
-    one mask tile, so every offset is in bounds), loaded only for a partial tile. Issued
-    before the wait for the tile's scores, so the load's latency hides under the MMAs."""
+def _tile_words(WORDS, partial_id, m0, n0, tile_rows, BLOCK_SPARSE: gl.constexpr, MB_Q: gl.constexpr,
+                MB_K: gl.constexpr):
+    """A partial tile's bits, one 64-bit word a row (BlockMask.partial_words: the kernel tile
+    lies inside one mask tile, 64 keys wide, so each row is one word and every index is in
+    bounds), loaded only for a partial tile: two loads a thread. Issued before the wait for
+    the tile's scores, so their latency hides under the MMAs."""
     if BLOCK_SPARSE:
-        base = BITS + partial_id.to(gl.int64) * (MB_Q * MB_K) + (m0 % MB_Q) * MB_K + n0 % MB_K
-        return gl.load(base + bits_offsets, mask=partial_id >= 0, other=1)
+        WORDS_A_ROW: gl.constexpr = MB_K // 64
+        base = (WORDS + partial_id.to(gl.int64) * (MB_Q * WORDS_A_ROW) + (m0 % MB_Q) * WORDS_A_ROW
+                + (n0 % MB_K) // 64)
+        return gl.load(base + tile_rows * WORDS_A_ROW, mask=partial_id >= 0, other=-1)
     else:
         return 0
 
 
 @gluon.jit
-def _tile_softmax(s, m_i, l_i, n0, partial_id, edge, bits, rows, cols, Sq, Sk, off, LEFT, RIGHT, qk_scale,
+def _tile_softmax(s, m_i, l_i, n0, partial_id, edge, words, rows, cols, Sq, Sk, off, LEFT, RIGHT, qk_scale,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_SPARSE: gl.constexpr):
     """Online softmax of one raw score tile: the masks of an edge tile (band, tails, a
     partial tile's bits), the new running max (log2 units) and sum, P, and
@@ -137,8 +140,8 @@ def _tile_softmax(s, m_i, l_i, n0, partial_id, edge, bits, rows, cols, Sq, Sk, o
             ok = ok & (j >= i + off - LEFT)
         if HAS_RIGHT:
             ok = ok & (j <= i + off + RIGHT)
-        if BLOCK_SPARSE:
-            ok = ok & (bits != 0) & (partial_id != -2)
+        if BLOCK_SPARSE:  # bit c of a row's word: key n0 + c
+            ok = ok & (((words[:, None] >> cols[None, :].to(gl.int64)) & 1) != 0) & (partial_id != -2)
         s = gl.where(ok, s, float("-inf"))
     # qk_scale > 0: max(s) * scale is the max of the scaled scores; s * scale - m is one FMA
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
@@ -150,7 +153,7 @@ def _tile_softmax(s, m_i, l_i, n0, partial_id, edge, bits, rows, cols, Sq, Sk, o
 
 
 @gluon.jit
-def forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE, COUNTS, BLOCKS, PARTIAL, BITS, scb, sch, sbb, sbh, NUM_MB_K,
+def forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE, COUNTS, BLOCKS, PARTIAL, WORDS, scb, sch, sbb, sbh, NUM_MB_K,
                    H, GROUP, Sq, Sk, off, LEFT, RIGHT, qk_scale,
                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_SPARSE: gl.constexpr, MB_Q: gl.constexpr,
                    MB_K: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
@@ -208,7 +211,7 @@ def forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE, COUNTS, BLOCKS, PARTIAL,
     q = q_buf.reshape([BLOCK_M, HEAD_DIM])
     rows = m0 + gl.arange(0, BLOCK_M, layout=s_rows)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    bits_offsets = (rows - m0)[:, None] * MB_K + cols[None, :]  # within a partial tile's bits
+    tile_rows = rows - m0
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
 
     # key tile 0: its S alone, then its softmax
@@ -224,8 +227,8 @@ def forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE, COUNTS, BLOCKS, PARTIAL,
     l_i = gl.zeros([BLOCK_M], gl.float32, s_rows)
     n0, partial_id, edge = _key_tile(0, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
                                      BLOCK_SPARSE, MB_K, HAS_BAND)
-    bits = _tile_bits(BITS, partial_id, m0, n0, bits_offsets, BLOCK_SPARSE, MB_Q, MB_K)
-    p, m_i, l_i, alpha = _tile_softmax(s, m_i, l_i, n0, partial_id, edge, bits, rows, cols, Sq, Sk, off, LEFT,
+    words = _tile_words(WORDS, partial_id, m0, n0, tile_rows, BLOCK_SPARSE, MB_Q, MB_K)
+    p, m_i, l_i, alpha = _tile_softmax(s, m_i, l_i, n0, partial_id, edge, words, rows, cols, Sq, Sk, off, LEFT,
                                        RIGHT, qk_scale, HAS_LEFT, HAS_RIGHT, BLOCK_SPARSE)
     p = gl.convert_layout(p.to(dtype), p_layout)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
@@ -238,7 +241,7 @@ def forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE, COUNTS, BLOCKS, PARTIAL,
                           use_acc=False, is_async=True)
         n0, partial_id, edge = _key_tile(j, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
                                          BLOCK_SPARSE, MB_K, HAS_BAND)
-        bits = _tile_bits(BITS, partial_id, m0, n0, bits_offsets, BLOCK_SPARSE, MB_Q, MB_K)
+        words = _tile_words(WORDS, partial_id, m0, n0, tile_rows, BLOCK_SPARSE, MB_Q, MB_K)
         mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
         acc = warpgroup_mma(p, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))
@@ -246,7 +249,7 @@ def forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE, COUNTS, BLOCKS, PARTIAL,
         n_ahead, _, _ = _key_tile(j + STAGES, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
                                   BLOCK_SPARSE, MB_K, HAS_BAND)
         _issue_tile(k_desc, k_bufs, k_ready, b, hk, n_ahead, stage, j + STAGES < tiles)
-        p_next, m_i, l_i, alpha = _tile_softmax(s, m_i, l_i, n0, partial_id, edge, bits, rows, cols, Sq, Sk, off,
+        p_next, m_i, l_i, alpha = _tile_softmax(s, m_i, l_i, n0, partial_id, edge, words, rows, cols, Sq, Sk, off,
                                                 LEFT, RIGHT, qk_scale, HAS_LEFT, HAS_RIGHT, BLOCK_SPARSE)
         acc, p = warpgroup_mma_wait(0, deps=(acc, p))
         # P_{j-1} V_{j-1} is done with V slot `prev`: refill it with V tile j - 1 + STAGES
@@ -323,7 +326,7 @@ def _arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
         lists, mb_q, mb_k = (lse, lse, lse, lse, 0, 0, 0, 0, 0), BLOCK_M, BLOCK_N
     else:
         counts, blocks = bm.kv_counts, bm.kv_blocks
-        lists = (counts, blocks, bm.kv_partial, bm.partial_masks,
+        lists = (counts, blocks, bm.kv_partial, bm.partial_words,
                  *(0 if counts.shape[d] == 1 else counts.stride(d) for d in (0, 1)),
                  *(0 if blocks.shape[d] == 1 else blocks.stride(d) for d in (0, 1)), blocks.shape[-1])
         mb_q, mb_k = bm.block_q, bm.block_k

@@ -25,6 +25,20 @@ def test_dense_round_trip_and_tile_kinds():
     assert torch.equal(bm.element_mask(10, 50, 20, 77), dense[:, :, 10:50, 20:77])
 
 
+@pytest.mark.parametrize("block_k", [16, 64, 256])
+def test_partial_words_pack_the_partial_bits(block_k):
+    """partial_words holds partial_masks 64 columns a word, bit c of word w = column 64 w + c
+    (bit 63 included: the words are read as signed int64), zero past block_k."""
+    bm = kf.BlockMask.from_dense(torch.rand(2, 1, 100, 2 * block_k + 5) > 0.4, block_q=32, block_k=block_k)
+    P = bm.partial_masks.shape[0]
+    words = bm.partial_words
+    assert P > 0 and words.shape == (P, 32, -(-block_k // 64)) and words.dtype == torch.int64
+    cols = torch.arange(words.shape[-1] * 64)
+    bits = (words[:, :, cols // 64] >> (cols % 64)) & 1
+    assert torch.equal(bits[..., :block_k].to(torch.uint8), bm.partial_masks)
+    assert not bits[..., block_k:].any()
+
+
 def _expected_list(kinds_row):
     """Full tiles ascending, then partial ones ascending: the order the kernels walk."""
     full = [c for c, kind in enumerate(kinds_row) if kind == FULL]
