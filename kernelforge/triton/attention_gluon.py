@@ -1,4 +1,4 @@
-"""Hopper flash-attention forward for a band of keys (sliding window), written in Gluon.
+"""Hopper flash-attention forward for a band of keys (sliding window) or a BlockMask, in Gluon.
 
 Why a second forward next to attention_kernels.py: on a short band (a causal window of 512
 keys: nine 64-key tiles a query tile) the Triton kernel computes at ~37% of the H200's bf16
@@ -20,20 +20,32 @@ Q comes once by TMA, and its buffer stages O for the TMA store. 4-D TMA descript
 (batch, heads, seq, dim) take any strides with a unit last dim and 16-byte rows, return
 zeros past the sequence ends and clip the store there.
 
-Work per (batch, head): FLOPs 4 * Sq * (keys in the band + tile waste) * D, bytes Q, O once
-and K, V once per query tile (from L2: neighbouring tiles share most of their band).
-Scores are in log2 units as in attention_kernels.py; the band and the key tail are applied
-on the band's edge tiles only, under a run-time branch. Rows that see no key get out = 0,
+Which key tiles a query tile walks: a band's run of tiles from its first, or a BlockMask's
+list for the query tile's row of mask tiles (full tiles first; each mask tile, a multiple of
+64 on each side, cut into 64 x 64 kernel tiles). The same pipeline runs either way; only the
+key index of tile j and its masking differ (_key_tile).
+
+Work per (batch, head): FLOPs 4 * Sq * (keys walked) * D, bytes Q, O once and K, V once per
+query tile (from L2: neighbouring tiles share most of their keys). Scores are in log2 units
+as in attention_kernels.py. Masking runs on edge tiles only, under a run-time branch: a
+band's first and last tiles (the band and the key tail), a BlockMask's partial tiles (their
+bits, BlockMask.partial_words: one 64-bit word a row, loaded before the wait for the scores),
+every tile when a band comes on top of a BlockMask. Rows that see no key get out = 0,
 lse = -inf, as the Triton forward gives.
 
-Measured (H200, bf16, causal window 512, 2 x 16 heads x 8192, d128; benchmarks/results/nvidia-h200/
-attention/bb0baf0-gluon-window/): 0.187 ms against the Triton forward's 0.211 and FlexAttention's
-0.284. Deeper rings, 128-key or 32-key tiles, 128-row tiles on 8 warps and a persistent grid
-were each slower (gluon-window-experiment/ there).
+Measured (H200, bf16, 2 x 16 heads x 8192, d128):
+- causal window 512 (bb0baf0-gluon-window/): 0.187 ms against the Triton forward's 0.211
+  and FlexAttention's 0.284. Deeper rings, 128-key or 32-key tiles, 128-row tiles on 8 warps
+  and a persistent grid were each slower (gluon-window-experiment/).
+- BlockMasks (block-mask-experiment/, 64 x 64 mask tiles): the same window 205 us, Longformer
+  local + global 319 us, a dilated window (every tile partial) 401 us, against Flex's 283,
+  575 and 497 us on the same mask functions; the Triton forward took 333 us on that window
+  with 128 x 128 tiles.
 
 Only sm_90 has wgmma; kernelforge/triton/attention.py sends a call here when `takes` says so
-and keeps the Triton forward for everything else (masks, block masks, other GPUs, fp32,
-other head dims). The backward is the Triton one: it reads (out, lse) the same way.
+and keeps the Triton forward for everything else (attn_mask, mask tiles under 64, other
+GPUs, fp32, other head dims). The backward is the Triton one: it reads (out, lse) the same
+way.
 """
 from __future__ import annotations
 
