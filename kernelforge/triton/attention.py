@@ -70,6 +70,12 @@ BACKWARD_TILES = {
 # half as much as 128-row ones. Causal window 512 at S = 8192, d128 (H200): 64x64 / 4 warps
 # 272 TFLOP/s counting the window's pairs, 128x64 / 8 warps 231 (attention_sweep.json).
 WINDOW_FORWARD_TILE = TileConfig(64, 64, 4, 3)
+# Pipeline depth of the block-sparse backward: mask tiles cut into several kernel tiles (an
+# unrolled sub-tile loop inside the list loop) lose to deeper pipelining, whole ones gain.
+# Window-512 BlockMask, S=8192, d128, H200 (benchmarks/results/nvidia-h200/attention/
+# block-mask-experiment/run3-085bc50-backward-stages.log): 128 x 128 mask tiles 0.95 ms at 1
+# stage, 1.28 at 2; 64 x 64 (one kernel tile each) 0.83 ms at 1 stage, 0.75 at 2, 0.77 at 3.
+BLOCK_SPARSE_BACKWARD_STAGES = {"whole": 2, "cut": 1}
 INTERPRETER_TILE = TileConfig(32, 32, 4, 1)  # the CPU interpreter: small tiles, few wasted rows
 # A bounded left reach, no attn_mask, no block mask: the kernels can walk the band as one loop
 # and check the band on its edge tiles under a run-time branch (EDGE_AT_RUN_TIME in the
@@ -94,12 +100,11 @@ def _config(table, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visib
         if table is FORWARD_TILES and vis.left is not None and dim <= 128:
             cfg = WINDOW_FORWARD_TILE
     if vis.block_mask is not None:  # kernel tiles must divide the mask's tiles
-        # The block-sparse backward loops (tile lists, sub-tiles) lose to deeper pipelining:
-        # window-512 BlockMask, S=8192, d128 (H200, 29514fe/attention_block_sweep.log): 1 stage 0.95 ms,
-        # 2 stages 1.27 ms; the dense window path is indifferent (0.81 / 0.81 ms).
-        stages = 1 if table is BACKWARD_TILES else cfg.num_stages
-        cfg = TileConfig(min(cfg.block_m, vis.block_mask.block_q), min(cfg.block_n, vis.block_mask.block_k),
-                         cfg.num_warps, stages)
+        bm = vis.block_mask
+        whole = bm.block_q <= cfg.block_m and bm.block_k <= cfg.block_n
+        stages = BLOCK_SPARSE_BACKWARD_STAGES["whole" if whole else "cut"] if table is BACKWARD_TILES \
+            else cfg.num_stages
+        cfg = TileConfig(min(cfg.block_m, bm.block_q), min(cfg.block_n, bm.block_k), cfg.num_warps, stages)
     return cfg
 
 
