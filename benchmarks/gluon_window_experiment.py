@@ -80,7 +80,7 @@ def flex_times(q, k, v, g, W):
 
 
 def report_resources():
-    for cache in glu.band_forward_kernel.device_caches.values():
+    for cache in glu.forward_kernel.device_caches.values():
         for compiled in cache[0].values():
             compiled._init_handles()
             meta = compiled.metadata

@@ -51,10 +51,12 @@ EMPTY, FULL = -2, -1  # tile kinds in the dense kind table; >= 0 is a partial id
 # Mask tiles default to the Gluon forward's and the Triton backward's 64 x 64 kernel tile: a
 # coarser mask tile makes the kernels walk its empty sub-tiles. Measured on an H200 (S = 8192,
 # 2 x 16 heads, d128, bf16; benchmarks/results/nvidia-h200/attention/block-mask-experiment/),
-# 64 x 64 against 128 x 128 tiles, forward and forward+backward: a causal window of 512 205
-# against 226 us and 1.04 against 1.18 ms; local + global 319 against 426 us and 1.76 against
-# 2.31 ms; a dilated window (every tile partial) 401 against 406 us. The cost: four times the
-# list entries (O((Sq / 64) * (Sk / 64)) int32s each).
+# 64 x 64 against 128 x 128 tiles, forward and forward+backward (the backward at one stage
+# then): a causal window of 512 205 against 226 us and 1.04 against 1.18 ms; local + global 319
+# against 426 us and 1.76 against 2.31 ms; a dilated window (every tile partial) 401 against
+# 406 us. 64 x 64 tiles also let the backward pipeline two stages (BLOCK_SPARSE_BACKWARD_STAGES
+# in kernelforge/triton/attention.py). The cost: four times the list entries
+# (O((Sq / 64) * (Sk / 64)) int32s each).
 DEFAULT_BLOCK = 64
 
 

@@ -71,7 +71,7 @@ STAGES = 2
 NUM_WARPS = 4
 LOG2E = 1.4426950408889634
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
-# Off switch for experiments (benchmarks/gluon_window_experiment.py times both forwards).
+# Off switches for experiments and tests (benchmarks/gluon_window_experiment.py times both forwards).
 ENABLED = {"window": True, "block_mask": True}
 
 
