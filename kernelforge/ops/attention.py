@@ -154,6 +154,11 @@ def _check_block_mask(block_mask, q: torch.Tensor, k: torch.Tensor) -> None:
               f"{(B, H, q.shape[2], k.shape[2])} (B and H may be 1 in the mask)")
     if block_mask.device != q.device:
         _fail(f"block_mask must be on q's device {q.device}, got {block_mask.device} (use block_mask.to(device))")
+    # the kernels index the tile lists and the partial bits with 32-bit offsets
+    for name in ("kv_blocks", "partial_masks"):
+        if getattr(block_mask, name).numel() >= 2 ** 31:
+            _fail(f"block_mask.{name} has {getattr(block_mask, name).numel()} entries, the kernels take under 2^31 "
+                  f"(use larger tiles, or a mask shared across batch and heads)")
 
 
 def _visibility(q, window_left, window_right, attn_mask, block_mask, block_q, block_k, k) -> Visibility:

@@ -1,5 +1,6 @@
 """BlockMask: construction (mask functions, dense masks, patterns), its tile lists and their
 transpose, and block-sparse flash_attention on every backend against the float64 oracle."""
+import dataclasses
 import math
 
 import pytest
@@ -101,6 +102,12 @@ def test_bad_construction_is_named():
     q = torch.randn(1, 2, 32, 8)
     with pytest.raises(ValueError, match="block_mask covers"):
         kf.flash_attention(q, q, q, block_mask=bm)
+    # lists past 32-bit offsets are refused before any kernel runs (an expanded stand-in: no 8 GB allocated)
+    bm = kf.sliding_window_block_mask(32, 32, 8, block_q=16, block_k=16)
+    huge = dataclasses.replace(bm, kv_blocks=torch.zeros(1, dtype=torch.int32).expand(2 ** 31))
+    with pytest.raises(ValueError, match="block_mask.kv_blocks has 2147483648 entries"):
+        kf.flash_attention(torch.randn(1, 2, 32, 8), torch.randn(1, 2, 32, 8), torch.randn(1, 2, 32, 8),
+                           block_mask=huge)
 
 
 def _check_block_sparse(backend, device, dtype, bm, H, Hkv, D, causal=False, window=None):
