@@ -39,7 +39,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from kernelforge.triton.attention_gluon import _descriptor
+from kernelforge.triton.attention_gluon import _descriptor, one_and_two_rings
 from kernelforge.triton.attention_visibility import _col_range
 
 BLOCK_M = 64  # query rows a step
@@ -82,17 +82,9 @@ def band_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DEL
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     q_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    k_buf = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    # K and V come once, on one barrier; Q and dO stream through rings
+    k_buf, kv_ready, q_bufs, q_ready, do_bufs, do_ready = one_and_two_rings(k_desc, q_desc, do_desc, STAGES)
     v_buf = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
-    q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_ready, count=1)
-    for st in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(st), count=1)
-        mbarrier.init(do_ready.index(st), count=1)
 
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_ready, k_buf)

@@ -97,6 +97,25 @@ def _issue_tile(desc, bufs, ready, b, hk, n0, slot, pred):
 
 
 @gluon.jit
+def one_and_two_rings(one_desc, a_desc, b_desc, STAGES: gl.constexpr):
+    """Shared memory for one tile loaded once (one_desc's block) and two rings of STAGES tiles
+    (a_desc's and b_desc's), each with its TMA completion barriers, initialized: (one buffer,
+    its barrier, ring a, its barriers, ring b, its barriers)."""
+    dtype: gl.constexpr = one_desc.dtype
+    one = gl.allocate_shared_memory(dtype, one_desc.block_type.shape, one_desc.layout)
+    ring_a = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    ring_b = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    one_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(one_ready, count=1)
+    for st in gl.static_range(STAGES):
+        mbarrier.init(a_ready.index(st), count=1)
+        mbarrier.init(b_ready.index(st), count=1)
+    return one, one_ready, ring_a, a_ready, ring_b, b_ready
+
+
+@gluon.jit
 def _key_tile(t, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N: gl.constexpr,
               BLOCK_SPARSE: gl.constexpr, MB_K: gl.constexpr, HAS_BAND: gl.constexpr):
     """The program's t-th key tile: its first key, its partial-tile id (-1: none; -2: the
@@ -201,16 +220,7 @@ def forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE, COUNTS, BLOCKS, PARTIAL,
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    q_buf = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready, count=1)
-    for st in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(st), count=1)
-        mbarrier.init(v_ready.index(st), count=1)
+    q_buf, q_ready, k_bufs, k_ready, v_bufs, v_ready = one_and_two_rings(q_desc, k_desc, v_desc, STAGES)
 
     mbarrier.expect(q_ready, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], q_ready, q_buf)
