@@ -39,7 +39,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from kernelforge.triton.attention_gluon import _descriptor, one_and_two_rings
+from kernelforge.triton.attention_gluon import _band_tiles, _descriptor, one_and_two_rings
 from kernelforge.triton.attention_visibility import _col_range
 
 BLOCK_M = 64  # query rows a step
@@ -115,12 +115,11 @@ def band_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DEL
         sT = warpgroup_mma(k, q_i.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(do_ready.index(slot), phase)
         dpT = warpgroup_mma(v, do_i.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        # the rows' lse (log2 units, +inf where a row saw no key or lies past Sq) and delta
+        # the rows' lse (log2 units, +inf where a row saw no key or lies past Sq)
         rows = m0 + cols
         row_base = (b * H + h).to(gl.int64) * Sq
         lse = gl.load(LSE + row_base + rows, mask=rows < Sq, other=float("-inf"))
         lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
-        delta = gl.load(DELTA + row_base + rows, mask=rows < Sq, other=0.0)
         sT = warpgroup_mma_wait(1, deps=(sT,))
         if (m0 < full_lo) | (m0 >= full_hi):
             j = keys[:, None]
@@ -134,6 +133,8 @@ def band_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DEL
         pT = gl.exp2(sT * qk_scale - lse2[None, :])
         pT_op = gl.convert_layout(pT.to(dtype), op_layout)
         dv = warpgroup_mma(pT_op, do_i, dv, is_async=True)
+        # delta loaded only now: its registers are not live across the exponentials
+        delta = gl.load(DELTA + row_base + rows, mask=rows < Sq, other=0.0)
         dpT = warpgroup_mma_wait(1, deps=(dpT,))
         dsT = pT * (dpT - delta[None, :])
         dsT_op = gl.convert_layout(dsT.to(dtype), op_layout)
@@ -158,6 +159,109 @@ def band_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DEL
     tma.async_copy_shared_to_global(dk_desc, [b, hk, n0, 0], k_buf)
     tma.async_copy_shared_to_global(dv_desc, [b, hk, n0, 0], v_buf)
     tma.store_wait(0)
+
+
+@gluon.jit
+def band_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
+                   H, GROUP, Sq, Sk, off, LEFT, RIGHT, qk_scale, scale,
+                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr,
+                   num_warps: gl.constexpr):
+    """dQ of one 64-row query tile over its band, as the forward walks it:
+    issue S = Q K_j^T and dP = dO V_j^T; wait S, P = exp2(S * scale - lse); wait dP,
+    dS = P (dP - delta); issue dQ += dS K_j; wait; refill the K / V slots."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    dtype: gl.constexpr = q_desc.dtype
+
+    pid_bh = gl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    m0 = gl.program_id(0) * BLOCK_M
+    lo, tiles, full_lo, full_hi = _band_tiles(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    # Q and dO come once (on Q's barrier), K and V stream through rings
+    q_buf, qdo_ready, k_bufs, k_ready, v_bufs, v_ready = one_and_two_rings(q_desc, k_desc, v_desc, STAGES)
+    do_buf = gl.allocate_shared_memory(dtype, do_desc.block_type.shape, do_desc.layout)
+    mbarrier.expect(qdo_ready, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], qdo_ready, q_buf)
+    tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], qdo_ready, do_buf)
+    for st in gl.static_range(STAGES):
+        _issue_rows(k_desc, k_bufs, k_ready, b, hk, lo + st * BLOCK_N, st, st < tiles)
+        _issue_rows(v_desc, v_bufs, v_ready, b, hk, lo + st * BLOCK_N, st, st < tiles)
+
+    q = q_buf.reshape([BLOCK_M, HEAD_DIM])
+    do = do_buf.reshape([BLOCK_M, HEAD_DIM])
+    rows = m0 + gl.arange(0, BLOCK_M, layout=s_rows)
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    row_base = pid_bh.to(gl.int64) * Sq
+    lse = gl.load(LSE + row_base + rows, mask=rows < Sq, other=float("-inf"))
+    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
+    delta = gl.load(DELTA + row_base + rows, mask=rows < Sq, other=0.0)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
+    mbarrier.wait(qdo_ready, 0)
+
+    for j in range(tiles):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        n0 = lo + j * BLOCK_N
+        k_j = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
+        mbarrier.wait(k_ready.index(slot), phase)
+        s = warpgroup_mma(q, k_j.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(slot), phase)
+        dp = warpgroup_mma(do, v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                           use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s,))
+        if (n0 < full_lo) | (n0 >= full_hi):
+            i = rows[:, None]
+            jj = n0 + cols[None, :]
+            ok = (i < Sq) & (jj < Sk)
+            if HAS_LEFT:
+                ok = ok & (jj >= i + off - LEFT)
+            if HAS_RIGHT:
+                ok = ok & (jj <= i + off + RIGHT)
+            s = gl.where(ok, s, float("-inf"))
+        p = gl.exp2(s * qk_scale - lse2[:, None])
+        dp = warpgroup_mma_wait(0, deps=(dp,))
+        # V slot `slot` is free: fetch tile j + STAGES into it
+        _issue_rows(v_desc, v_bufs, v_ready, b, hk, lo + (j + STAGES) * BLOCK_N, slot, j + STAGES < tiles)
+        ds_op = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), op_layout)
+        dq = warpgroup_mma(ds_op, k_j, dq, is_async=True)
+        dq, ds_op = warpgroup_mma_wait(0, deps=(dq, ds_op))
+        _issue_rows(k_desc, k_bufs, k_ready, b, hk, lo + (j + STAGES) * BLOCK_N, slot, j + STAGES < tiles)
+
+    mbarrier.invalidate(qdo_ready)
+    for st in gl.static_range(STAGES):
+        mbarrier.invalidate(k_ready.index(st))
+        mbarrier.invalidate(v_ready.index(st))
+    q.store((dq * scale).to(dtype))  # dQ leaves through Q's buffer (every MMA is done)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dq_desc, [b, h, m0, 0], q_buf)
+    tma.store_wait(0)
+
+
+def _dq_arguments(q, k, v, do, dq, lse, delta, scale, left, right):
+    H, Sq, Hkv, Sk = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
+    args = (_descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(do, BLOCK_M),
+            _descriptor(dq, BLOCK_M), lse, delta, H, H // Hkv, Sq, Sk, Sk - Sq,
+            left, 0 if right is None else right, scale * LOG2E, scale)
+    return args, dict(HAS_LEFT=True, HAS_RIGHT=right is not None, STAGES=STAGES, num_warps=NUM_WARPS)
+
+
+def band_dq(q, k, v, do, lse, delta, scale, left, right):
+    dq = torch.empty_like(q)
+    args, constexprs = _dq_arguments(q, k, v, do, dq, lse, delta, scale, left, right)
+    band_dq_kernel[(triton.cdiv(q.shape[2], BLOCK_M), q.shape[0] * q.shape[1])](*args, **constexprs)
+    return dq
 
 
 def _arguments(q, k, v, do, dk, dv, lse, delta, scale, left, right):
@@ -188,20 +292,21 @@ def compile_report(head_dim: int):
 
     t = torch.zeros(1, 2, 1000, head_dim, dtype=torch.bfloat16)
     rows = torch.zeros(1, 2, 1000)
-    values, constexprs = _arguments(t, t, t, t, t, t, rows, rows, 0.1, 512, 0)
-    signature = {n: mangle_type(a) for n, a in zip(band_dkdv_kernel.arg_names, values)}
-    signature.update({n: "constexpr" for n in constexprs})
-    compiled = triton.compile(GluonASTSource(band_dkdv_kernel, signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(f"{tmp}/k.ptx", "w") as f:
-            f.write(compiled.asm["ptx"])
-        report = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", f"{tmp}/k.ptx", "-o",
-                                 f"{tmp}/k.cubin"], capture_output=True, text=True, check=True).stderr
-    spills = re.search(r"(\d+) bytes spill stores", report)
-    registers = re.search(r"Used (\d+) registers", report).group(1)
-    print(f"d{head_dim}: {registers} registers, "
-          f"{spills.group(1) if spills else 0} bytes spilled, {compiled.metadata.shared} B shared", flush=True)
+    for kernel, (values, constexprs) in ((band_dkdv_kernel, _arguments(t, t, t, t, t, t, rows, rows, 0.1, 512, 0)),
+                                         (band_dq_kernel, _dq_arguments(t, t, t, t, t, rows, rows, 0.1, 512, 0))):
+        signature = {n: mangle_type(a) for n, a in zip(kernel.arg_names, values)}
+        signature.update({n: "constexpr" for n in constexprs})
+        compiled = triton.compile(GluonASTSource(kernel, signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(f"{tmp}/k.ptx", "w") as f:
+                f.write(compiled.asm["ptx"])
+            report = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", f"{tmp}/k.ptx", "-o",
+                                     f"{tmp}/k.cubin"], capture_output=True, text=True, check=True).stderr
+        spills = re.search(r"(\d+) bytes spill stores", report)
+        registers = re.search(r"Used (\d+) registers", report).group(1)
+        print(f"{kernel.__name__} d{head_dim}: {registers} registers, {spills.group(1) if spills else 0} bytes "
+              f"spilled, {compiled.metadata.shared} B shared", flush=True)
 
 
 def main():
@@ -227,16 +332,18 @@ def main():
         scale = D ** -0.5
         vis = Visibility.of(True, (W, None))
         out, lse = tri.flash_forward(q, k, v, scale, vis)
-        _, ref_dk, ref_dv = tri.flash_backward(do, q, k, v, out, lse, scale, vis)
         delta = (out.float() * do.float()).sum(-1)
+        ref_dq, ref_dk, ref_dv = tri.flash_backward(do, q, k, v, out, lse, scale, vis)
         dk, dv = band_dkdv(q, k, v, do, lse, delta, scale, W, 0)
-        print(f"d{D}: max |dk - triton| {(dk.float() - ref_dk.float()).abs().max().item():.3g} "
-              f"(|dk| max {ref_dk.abs().max().item():.3g}), max |dv - triton| "
-              f"{(dv.float() - ref_dv.float()).abs().max().item():.3g}", flush=True)
-        t_glu = do_bench(lambda: band_dkdv(q, k, v, do, lse, delta, scale, W, 0), rep=200)
+        dq = band_dq(q, k, v, do, lse, delta, scale, W, 0)
+        for name, mine, ref in (("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv)):
+            print(f"d{D}: max |{name} - triton| {(mine.float() - ref.float()).abs().max().item():.3g} "
+                  f"(|{name}| max {ref.abs().max().item():.3g})", flush=True)
+        t_dkdv = do_bench(lambda: band_dkdv(q, k, v, do, lse, delta, scale, W, 0), rep=200)
+        t_dq = do_bench(lambda: band_dq(q, k, v, do, lse, delta, scale, W, 0), rep=200)
         t_tri = do_bench(lambda: tri.flash_backward(do, q, k, v, out, lse, scale, vis), rep=200)
-        print(f"d{D} window {W}: gluon dK/dV {t_glu * 1e3:.1f} us; triton backward (delta, dK/dV, dQ) "
-              f"{t_tri * 1e3:.1f} us", flush=True)
+        print(f"d{D} window {W}: gluon dK/dV {t_dkdv * 1e3:.1f} us + dQ {t_dq * 1e3:.1f} us; triton backward "
+              f"(delta, dK/dV, dQ) {t_tri * 1e3:.1f} us", flush=True)
 
 
 if __name__ == "__main__":
