@@ -39,7 +39,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from kernelforge.triton.attention_gluon import _band_tiles, _descriptor, one_and_two_rings
+from kernelforge.triton.attention_gluon import _band_tiles, _descriptor, one_and_two_rings, query_tile_program
 from kernelforge.triton.attention_visibility import _col_range
 
 BLOCK_M = 64  # query rows a step
@@ -174,11 +174,7 @@ def band_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     dtype: gl.constexpr = q_desc.dtype
 
-    pid_bh = gl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    hk = h // GROUP
-    m0 = gl.program_id(0) * BLOCK_M
+    pid_bh, b, h, hk, m0 = query_tile_program(H, GROUP, BLOCK_M)
     lo, tiles, full_lo, full_hi = _band_tiles(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],

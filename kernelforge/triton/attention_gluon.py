@@ -97,6 +97,18 @@ def _issue_tile(desc, bufs, ready, b, hk, n0, slot, pred):
 
 
 @gluon.jit
+def query_tile_program(H, GROUP, BLOCK_M: gl.constexpr):
+    """A program of a (query tile, batch * head) grid: (batch * head, batch, head, kv head,
+    first row)."""
+    pid_bh = gl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    m0 = gl.program_id(0) * BLOCK_M
+    return pid_bh, b, h, hk, m0
+
+
+@gluon.jit
 def one_and_two_rings(one_desc, a_desc, b_desc, STAGES: gl.constexpr):
     """Shared memory for one tile loaded once (one_desc's block) and two rings of STAGES tiles
     (a_desc's and b_desc's), each with its TMA completion barriers, initialized: (one buffer,
@@ -194,11 +206,7 @@ def forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE, COUNTS, BLOCKS, PARTIAL,
     HAS_BAND: gl.constexpr = HAS_LEFT or HAS_RIGHT
     dtype: gl.constexpr = q_desc.dtype
 
-    pid_bh = gl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    hk = h // GROUP
-    m0 = gl.program_id(0) * BLOCK_M
+    pid_bh, b, h, hk, m0 = query_tile_program(H, GROUP, BLOCK_M)
     if BLOCK_SPARSE:  # the mask's row of query tiles holding rows [m0, m0 + BLOCK_M)
         lo = 0
         full_lo = 0
