@@ -1,5 +1,5 @@
-"""Experiment (not wired into the library): a Gluon dK/dV backward kernel for a band of keys
-(sliding window) on Hopper, against the library's Triton dK/dV kernel.
+"""Experiment (not wired into the library): Gluon backward kernels (dK/dV and dQ) for a band of
+keys (sliding window) on Hopper, against the library's Triton backward.
 
 Why: on the causal window of 512 (S = 8192, d128, bf16, H200) the Triton backward takes
 ~0.65 ms against the Gluon forward's 0.19, and forward+backward sits at 1.19x FlexAttention
@@ -18,11 +18,12 @@ key tile (attention_visibility._col_range), for every q head of the group, as on
     wait all; refill the Q / dO ring slot by TMA
 
 FLOPs per tile pair: 4 MMAs of 2 * 64 * 64 * D. Bytes: K, V read once, Q, dO (and lse,
-delta) once per key tile that sees them (from L2), dK, dV written once. dQ stays with the
-Triton dQ kernel.
+delta) once per key tile that sees them (from L2), dK, dV written once. The dQ kernel walks
+a query tile's band as the forward does (S and dP recomputed, dQ += dS K: 3 MMAs a pair).
 
-Status: compiled for sm_90a here (registers and spills printed by --compile-only); not yet run
-on a GPU. Run:
+Status: both compiled for sm_90a here (--compile-only: dK/dV d128 255 registers, 4 bytes
+spilled, 98 KB shared; dQ d128 156 registers; d64 213 / 122, none spilled); not yet run on a
+GPU. Run:
 
     python3 benchmarks/gluon_backward_experiment.py              # GPU: agreement and timing
     python3 benchmarks/gluon_backward_experiment.py --compile-only  # CPU: sm_90a build report
