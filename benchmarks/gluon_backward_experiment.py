@@ -40,8 +40,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from kernelforge.triton.attention_gluon import _band_tiles, _descriptor, one_and_two_rings, query_tile_program
-from kernelforge.triton.attention_visibility import _col_range
+from kernelforge.triton.attention_gluon import (_band_tiles, _descriptor, _issue_tile, one_and_two_rings,
+                                                query_tile_program)
+from kernelforge.triton.attention_visibility import _col_range, _in_band
 
 BLOCK_M = 64  # query rows a step
 BLOCK_N = 64  # keys a program (one warpgroup's wgmma height)
@@ -49,12 +50,6 @@ STAGES = 2
 NUM_WARPS = 4
 LOG2E = 1.4426950408889634
 LOG2E_C: gl.constexpr = gl.constexpr(1.4426950408889634)
-
-
-@gluon.jit
-def _issue_rows(desc, bufs, ready, b, h, m0, slot, pred):
-    mbarrier.expect(ready.index(slot), desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(desc, [b, h, m0, 0], ready.index(slot), bufs.index(slot), pred=pred)
 
 
 @gluon.jit
@@ -93,8 +88,8 @@ def band_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DEL
     for st in gl.static_range(STAGES):
         h_st = hk * GROUP + st // gl.maximum(per_head, 1)
         m_st = lo + (st % gl.maximum(per_head, 1)) * BLOCK_M
-        _issue_rows(q_desc, q_bufs, q_ready, b, h_st, m_st, st, st < steps)
-        _issue_rows(do_desc, do_bufs, do_ready, b, h_st, m_st, st, st < steps)
+        _issue_tile(q_desc, q_bufs, q_ready, b, h_st, m_st, st, st < steps)
+        _issue_tile(do_desc, do_bufs, do_ready, b, h_st, m_st, st, st < steps)
 
     k = k_buf.reshape([BLOCK_N, HEAD_DIM])
     v = v_buf.reshape([BLOCK_N, HEAD_DIM])
@@ -123,13 +118,7 @@ def band_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DEL
         lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
         sT = warpgroup_mma_wait(1, deps=(sT,))
         if (m0 < full_lo) | (m0 >= full_hi):
-            j = keys[:, None]
-            i = rows[None, :]
-            ok = (i < Sq) & (j < Sk)
-            if HAS_LEFT:
-                ok = ok & (j >= i + off - LEFT)
-            if HAS_RIGHT:
-                ok = ok & (j <= i + off + RIGHT)
+            ok = _in_band(rows[None, :], keys[:, None], Sq, Sk, off, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT)
             sT = gl.where(ok, sT, float("-inf"))
         pT = gl.exp2(sT * qk_scale - lse2[None, :])
         pT_op = gl.convert_layout(pT.to(dtype), op_layout)
@@ -146,8 +135,8 @@ def band_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DEL
         nxt = t + STAGES
         h_n = hk * GROUP + nxt // per_head
         m_n = lo + (nxt % per_head) * BLOCK_M
-        _issue_rows(q_desc, q_bufs, q_ready, b, h_n, m_n, slot, nxt < steps)
-        _issue_rows(do_desc, do_bufs, do_ready, b, h_n, m_n, slot, nxt < steps)
+        _issue_tile(q_desc, q_bufs, q_ready, b, h_n, m_n, slot, nxt < steps)
+        _issue_tile(do_desc, do_bufs, do_ready, b, h_n, m_n, slot, nxt < steps)
 
     mbarrier.invalidate(kv_ready)
     for st in gl.static_range(STAGES):
@@ -192,8 +181,8 @@ def band_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
     tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], qdo_ready, q_buf)
     tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], qdo_ready, do_buf)
     for st in gl.static_range(STAGES):
-        _issue_rows(k_desc, k_bufs, k_ready, b, hk, lo + st * BLOCK_N, st, st < tiles)
-        _issue_rows(v_desc, v_bufs, v_ready, b, hk, lo + st * BLOCK_N, st, st < tiles)
+        _issue_tile(k_desc, k_bufs, k_ready, b, hk, lo + st * BLOCK_N, st, st < tiles)
+        _issue_tile(v_desc, v_bufs, v_ready, b, hk, lo + st * BLOCK_N, st, st < tiles)
 
     q = q_buf.reshape([BLOCK_M, HEAD_DIM])
     do = do_buf.reshape([BLOCK_M, HEAD_DIM])
@@ -219,22 +208,16 @@ def band_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
                            use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))
         if (n0 < full_lo) | (n0 >= full_hi):
-            i = rows[:, None]
-            jj = n0 + cols[None, :]
-            ok = (i < Sq) & (jj < Sk)
-            if HAS_LEFT:
-                ok = ok & (jj >= i + off - LEFT)
-            if HAS_RIGHT:
-                ok = ok & (jj <= i + off + RIGHT)
+            ok = _in_band(rows[:, None], n0 + cols[None, :], Sq, Sk, off, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT)
             s = gl.where(ok, s, float("-inf"))
         p = gl.exp2(s * qk_scale - lse2[:, None])
         dp = warpgroup_mma_wait(0, deps=(dp,))
         # V slot `slot` is free: fetch tile j + STAGES into it
-        _issue_rows(v_desc, v_bufs, v_ready, b, hk, lo + (j + STAGES) * BLOCK_N, slot, j + STAGES < tiles)
+        _issue_tile(v_desc, v_bufs, v_ready, b, hk, lo + (j + STAGES) * BLOCK_N, slot, j + STAGES < tiles)
         ds_op = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), op_layout)
         dq = warpgroup_mma(ds_op, k_j, dq, is_async=True)
         dq, ds_op = warpgroup_mma_wait(0, deps=(dq, ds_op))
-        _issue_rows(k_desc, k_bufs, k_ready, b, hk, lo + (j + STAGES) * BLOCK_N, slot, j + STAGES < tiles)
+        _issue_tile(k_desc, k_bufs, k_ready, b, hk, lo + (j + STAGES) * BLOCK_N, slot, j + STAGES < tiles)
 
     mbarrier.invalidate(qdo_ready)
     for st in gl.static_range(STAGES):

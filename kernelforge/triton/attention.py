@@ -101,9 +101,10 @@ def _config(table, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visib
             cfg = WINDOW_FORWARD_TILE
     if vis.block_mask is not None:  # kernel tiles must divide the mask's tiles
         bm = vis.block_mask
-        whole = bm.block_q <= cfg.block_m and bm.block_k <= cfg.block_n
-        stages = BLOCK_SPARSE_BACKWARD_STAGES["whole" if whole else "cut"] if table is BACKWARD_TILES \
-            else cfg.num_stages
+        stages = cfg.num_stages
+        if table is BACKWARD_TILES:
+            whole = bm.block_q <= cfg.block_m and bm.block_k <= cfg.block_n
+            stages = BLOCK_SPARSE_BACKWARD_STAGES["whole" if whole else "cut"]
         cfg = TileConfig(min(cfg.block_m, bm.block_q), min(cfg.block_n, bm.block_k), cfg.num_warps, stages)
     return cfg
 

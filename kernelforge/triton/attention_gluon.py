@@ -61,7 +61,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernelforge.reference.attention import Visibility
 from kernelforge.triton._launch import launch
-from kernelforge.triton.attention_visibility import _row_range
+from kernelforge.triton.attention_visibility import _in_band, _row_range
 
 HEAD_DIMS = (64, 128)
 DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -89,11 +89,12 @@ def _band_tiles(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M: gl.constexpr, BLOCK_N: gl
 
 
 @gluon.jit
-def _issue_tile(desc, bufs, ready, b, hk, n0, slot, pred):
-    """TMA load of the K or V tile at key n0 into ring slot `slot`, completing on its barrier
-    (K and V have their own rings: the S MMA needs only K, and frees it first)."""
+def _issue_tile(desc, bufs, ready, b, head, row0, slot, pred):
+    """TMA load of the tile of rows [row0, row0 + block) of (b, head) into ring slot `slot`,
+    completing on its barrier (here K and V tiles: each has its own ring, as the S MMA needs
+    only K and frees it first)."""
     mbarrier.expect(ready.index(slot), desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(desc, [b, hk, n0, 0], ready.index(slot), bufs.index(slot), pred=pred)
+    tma.async_copy_global_to_shared(desc, [b, head, row0, 0], ready.index(slot), bufs.index(slot), pred=pred)
 
 
 @gluon.jit
@@ -176,13 +177,7 @@ def _tile_softmax(s, m_i, l_i, n0, partial_id, edge, words, rows, cols, Sq, Sk, 
     partial tile's bits), the new running max (log2 units) and sum, P, and
     alpha = exp2(m_old - m_new) for the accumulator."""
     if edge:
-        j = n0 + cols[None, :]
-        i = rows[:, None]
-        ok = (i < Sq) & (j < Sk)
-        if HAS_LEFT:
-            ok = ok & (j >= i + off - LEFT)
-        if HAS_RIGHT:
-            ok = ok & (j <= i + off + RIGHT)
+        ok = _in_band(rows[:, None], n0 + cols[None, :], Sq, Sk, off, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT)
         if BLOCK_SPARSE:  # bit c of a row's word: key n0 + c
             ok = ok & (((words[:, None] >> cols[None, :].to(gl.int64)) & 1) != 0) & (partial_id != -2)
         s = gl.where(ok, s, float("-inf"))
