@@ -1,32 +1,14 @@
-"""Experiment (not wired into the library): Gluon backward kernels (dK/dV and dQ) for a band of
-keys (sliding window) on Hopper, against the library's Triton backward.
+"""Experiment: the Gluon backward for a band of keys (kernelforge/triton/attention_gluon_backward.py)
+at other tile shapes and pipeline depths, against the Triton backward, on a sliding window and
+(not wired: the library sends those to the Triton backward) on causal and full attention.
 
-Why: on the causal window of 512 (S = 8192, d128, bf16, H200) the Triton backward takes
-~0.65 ms against the Gluon forward's 0.19, and forward+backward sits at 1.19x FlexAttention
-against a 1.5x target. Triton's dK/dV kernel holds K, V, dK and dV in registers (255 a thread,
-spilling); here K and V stay in shared memory as wgmma operands and the two score MMAs of a
-query tile run asynchronously ahead of the elementwise work.
-
-One warpgroup per 64-key tile of one (batch, kv head); it walks the query tiles that see the
-key tile (attention_visibility._col_range), for every q head of the group, as one loop:
-
-    issue S^T = K Q_i^T and dP^T = V dO_i^T   (async wgmma, both operands in shared memory)
-    wait S^T; P^T = exp2(S^T * scale - lse_i)  (masked on edge tiles)
-    issue dV += P^T dO_i                       (P^T from registers)
-    wait dP^T; dS^T = P^T (dP^T - delta_i)
-    issue dK += dS^T Q_i                       (dS^T from registers)
-    wait all; refill the Q / dO ring slot by TMA
-
-FLOPs per tile pair: 4 MMAs of 2 * 64 * 64 * D. Bytes: K, V read once, Q, dO (and lse,
-delta) once per key tile that sees them (from L2), dK, dV written once. The dQ kernel walks
-a query tile's band as the forward does (S and dP recomputed, dQ += dS K: 3 MMAs a pair).
-
-Status: both compiled for sm_90a here (--compile-only: dK/dV d128 255 registers, 4 bytes
-spilled, 98 KB shared; dQ d128 156 registers; d64 213 / 122, none spilled); not yet run on a
-GPU. Run:
-
-    python3 benchmarks/gluon_backward_experiment.py              # GPU: agreement and timing
+    python3 benchmarks/gluon_backward_experiment.py                 # GPU: agreement and timing
     python3 benchmarks/gluon_backward_experiment.py --compile-only  # CPU: sm_90a build report
+
+Earlier runs (benchmarks/results/nvidia-h200/attention/gluon-backward-experiment/) also timed a
+variant of each kernel that issued step t + 1's score MMAs before waiting for step t's
+accumulating MMAs; it was slower (causal window 512, d128: dK/dV 502 against 305 us, dQ 261
+against 216) and is gone. It needs two ring stages: at one it waits for a tile never loaded.
 """
 from __future__ import annotations
 
@@ -35,258 +17,54 @@ import sys
 
 import torch
 import triton
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
 
-from kernelforge.triton.attention_gluon import (_band_tiles, _descriptor, _issue_tile, one_and_two_rings,
-                                                query_tile_program)
-from kernelforge.triton.attention_visibility import _col_range, _in_band
+from kernelforge.reference.attention import Visibility
+from kernelforge.triton import attention_gluon_backward as glb
 
-BLOCK_M = 64  # query rows a step
-BLOCK_N = 64  # keys a program (one warpgroup's wgmma height)
-STAGES = 2
-NUM_WARPS = 4
-LOG2E = 1.4426950408889634
-LOG2E_C: gl.constexpr = gl.constexpr(1.4426950408889634)
+# (block_m, block_n, stages, num_warps): one warpgroup a 64-row tile, or two sharing the streamed tiles
+DKDV_CONFIGS = [(64, 64, 2, 4), (32, 64, 2, 4), (64, 128, 2, 8), (64, 64, 1, 4)]
+DQ_CONFIGS = [(64, 64, 2, 4), (64, 64, 3, 4), (128, 64, 2, 8), (64, 64, 1, 4)]
 
 
-@gluon.jit
-def band_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
-                     H, GROUP, Sq, Sk, off, LEFT, RIGHT, qk_scale, scale,
-                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr,
-                     num_warps: gl.constexpr):
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    dtype: gl.constexpr = q_desc.dtype
-
-    HKV = H // GROUP
-    pid_bh = gl.program_id(1)
-    b = pid_bh // HKV
-    hk = pid_bh % HKV
-    n0 = gl.program_id(0) * BLOCK_N
-    lo, full_lo, full_hi, hi = _col_range(n0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    per_head = gl.cdiv(hi - lo, BLOCK_M)
-    steps = per_head * GROUP
-
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    q_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
-
-    # K and V come once, on one barrier; Q and dO stream through rings
-    k_buf, kv_ready, q_bufs, q_ready, do_bufs, do_ready = one_and_two_rings(k_desc, q_desc, do_desc, STAGES)
-    v_buf = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
-
-    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_ready, k_buf)
-    tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_ready, v_buf)
-    for st in gl.static_range(STAGES):
-        h_st = hk * GROUP + st // gl.maximum(per_head, 1)
-        m_st = lo + (st % gl.maximum(per_head, 1)) * BLOCK_M
-        _issue_tile(q_desc, q_bufs, q_ready, b, h_st, m_st, st, st < steps)
-        _issue_tile(do_desc, do_bufs, do_ready, b, h_st, m_st, st, st < steps)
-
-    k = k_buf.reshape([BLOCK_N, HEAD_DIM])
-    v = v_buf.reshape([BLOCK_N, HEAD_DIM])
-    keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-    cols = gl.arange(0, BLOCK_M, layout=q_cols)
-    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
-    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
-    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
-    mbarrier.wait(kv_ready, 0)
-
-    for t in range(steps):
-        slot = t % STAGES
-        phase = (t // STAGES) & 1
-        h = hk * GROUP + t // per_head
-        m0 = lo + (t % per_head) * BLOCK_M
-        q_i = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
-        do_i = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
-        mbarrier.wait(q_ready.index(slot), phase)
-        sT = warpgroup_mma(k, q_i.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(do_ready.index(slot), phase)
-        dpT = warpgroup_mma(v, do_i.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        # the rows' lse (log2 units, +inf where a row saw no key or lies past Sq)
-        rows = m0 + cols
-        row_base = (b * H + h).to(gl.int64) * Sq
-        lse = gl.load(LSE + row_base + rows, mask=rows < Sq, other=float("-inf"))
-        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
-        sT = warpgroup_mma_wait(1, deps=(sT,))
-        if (m0 < full_lo) | (m0 >= full_hi):
-            ok = _in_band(rows[None, :], keys[:, None], Sq, Sk, off, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT)
-            sT = gl.where(ok, sT, float("-inf"))
-        pT = gl.exp2(sT * qk_scale - lse2[None, :])
-        pT_op = gl.convert_layout(pT.to(dtype), op_layout)
-        dv = warpgroup_mma(pT_op, do_i, dv, is_async=True)
-        # delta loaded only now: its registers are not live across the exponentials
-        delta = gl.load(DELTA + row_base + rows, mask=rows < Sq, other=0.0)
-        dpT = warpgroup_mma_wait(1, deps=(dpT,))
-        dsT = pT * (dpT - delta[None, :])
-        dsT_op = gl.convert_layout(dsT.to(dtype), op_layout)
-        dk = warpgroup_mma(dsT_op, q_i, dk, is_async=True)
-        # the register operands stay live until their MMAs are done
-        dv, dk, pT_op, dsT_op = warpgroup_mma_wait(0, deps=(dv, dk, pT_op, dsT_op))
-        # slot `slot` is free: fetch step t + STAGES into it
-        nxt = t + STAGES
-        h_n = hk * GROUP + nxt // per_head
-        m_n = lo + (nxt % per_head) * BLOCK_M
-        _issue_tile(q_desc, q_bufs, q_ready, b, h_n, m_n, slot, nxt < steps)
-        _issue_tile(do_desc, do_bufs, do_ready, b, h_n, m_n, slot, nxt < steps)
-
-    mbarrier.invalidate(kv_ready)
-    for st in gl.static_range(STAGES):
-        mbarrier.invalidate(q_ready.index(st))
-        mbarrier.invalidate(do_ready.index(st))
-    # dK = scale * sum dS^T Q, dV = sum P^T dO, through K's and V's buffers (every MMA is done)
-    k.store((dk * scale).to(dtype))
-    v.store(dv.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [b, hk, n0, 0], k_buf)
-    tma.async_copy_shared_to_global(dv_desc, [b, hk, n0, 0], v_buf)
-    tma.store_wait(0)
+def _config(values):
+    return dict(zip(("block_m", "block_n", "stages", "num_warps"), values))
 
 
-@gluon.jit
-def band_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
-                   H, GROUP, Sq, Sk, off, LEFT, RIGHT, qk_scale, scale,
-                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr,
-                   num_warps: gl.constexpr):
-    """dQ of one 64-row query tile over its band, as the forward walks it:
-    issue S = Q K_j^T and dP = dO V_j^T; wait S, P = exp2(S * scale - lse); wait dP,
-    dS = P (dP - delta); issue dQ += dS K_j; wait; refill the K / V slots."""
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    dtype: gl.constexpr = q_desc.dtype
-
-    pid_bh, b, h, hk, m0 = query_tile_program(H, GROUP, BLOCK_M)
-    lo, tiles, full_lo, full_hi = _band_tiles(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-
-    # Q and dO come once (on Q's barrier), K and V stream through rings
-    q_buf, qdo_ready, k_bufs, k_ready, v_bufs, v_ready = one_and_two_rings(q_desc, k_desc, v_desc, STAGES)
-    do_buf = gl.allocate_shared_memory(dtype, do_desc.block_type.shape, do_desc.layout)
-    mbarrier.expect(qdo_ready, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], qdo_ready, q_buf)
-    tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], qdo_ready, do_buf)
-    for st in gl.static_range(STAGES):
-        _issue_tile(k_desc, k_bufs, k_ready, b, hk, lo + st * BLOCK_N, st, st < tiles)
-        _issue_tile(v_desc, v_bufs, v_ready, b, hk, lo + st * BLOCK_N, st, st < tiles)
-
-    q = q_buf.reshape([BLOCK_M, HEAD_DIM])
-    do = do_buf.reshape([BLOCK_M, HEAD_DIM])
-    rows = m0 + gl.arange(0, BLOCK_M, layout=s_rows)
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    row_base = pid_bh.to(gl.int64) * Sq
-    lse = gl.load(LSE + row_base + rows, mask=rows < Sq, other=float("-inf"))
-    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
-    delta = gl.load(DELTA + row_base + rows, mask=rows < Sq, other=0.0)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
-    mbarrier.wait(qdo_ready, 0)
-
-    for j in range(tiles):
-        slot = j % STAGES
-        phase = (j // STAGES) & 1
-        n0 = lo + j * BLOCK_N
-        k_j = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
-        mbarrier.wait(k_ready.index(slot), phase)
-        s = warpgroup_mma(q, k_j.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(slot), phase)
-        dp = warpgroup_mma(do, v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
-                           use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s,))
-        if (n0 < full_lo) | (n0 >= full_hi):
-            ok = _in_band(rows[:, None], n0 + cols[None, :], Sq, Sk, off, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT)
-            s = gl.where(ok, s, float("-inf"))
-        p = gl.exp2(s * qk_scale - lse2[:, None])
-        dp = warpgroup_mma_wait(0, deps=(dp,))
-        # V slot `slot` is free: fetch tile j + STAGES into it
-        _issue_tile(v_desc, v_bufs, v_ready, b, hk, lo + (j + STAGES) * BLOCK_N, slot, j + STAGES < tiles)
-        ds_op = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), op_layout)
-        dq = warpgroup_mma(ds_op, k_j, dq, is_async=True)
-        dq, ds_op = warpgroup_mma_wait(0, deps=(dq, ds_op))
-        _issue_tile(k_desc, k_bufs, k_ready, b, hk, lo + (j + STAGES) * BLOCK_N, slot, j + STAGES < tiles)
-
-    mbarrier.invalidate(qdo_ready)
-    for st in gl.static_range(STAGES):
-        mbarrier.invalidate(k_ready.index(st))
-        mbarrier.invalidate(v_ready.index(st))
-    q.store((dq * scale).to(dtype))  # dQ leaves through Q's buffer (every MMA is done)
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dq_desc, [b, h, m0, 0], q_buf)
-    tma.store_wait(0)
-
-
-def _dq_arguments(q, k, v, do, dq, lse, delta, scale, left, right):
-    H, Sq, Hkv, Sk = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
-    args = (_descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(do, BLOCK_M),
-            _descriptor(dq, BLOCK_M), lse, delta, H, H // Hkv, Sq, Sk, Sk - Sq,
-            left, 0 if right is None else right, scale * LOG2E, scale)
-    return args, dict(HAS_LEFT=True, HAS_RIGHT=right is not None, STAGES=STAGES, num_warps=NUM_WARPS)
-
-
-def band_dq(q, k, v, do, lse, delta, scale, left, right):
-    dq = torch.empty_like(q)
-    args, constexprs = _dq_arguments(q, k, v, do, dq, lse, delta, scale, left, right)
-    band_dq_kernel[(triton.cdiv(q.shape[2], BLOCK_M), q.shape[0] * q.shape[1])](*args, **constexprs)
-    return dq
-
-
-def _arguments(q, k, v, do, dk, dv, lse, delta, scale, left, right):
-    H, Sq, Hkv, Sk = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
-    args = (_descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(do, BLOCK_M),
-            _descriptor(dk, BLOCK_N), _descriptor(dv, BLOCK_N), lse, delta, H, H // Hkv, Sq, Sk, Sk - Sq,
-            left, 0 if right is None else right, scale * LOG2E, scale)
-    constexprs = dict(HAS_LEFT=True, HAS_RIGHT=right is not None, STAGES=STAGES, num_warps=NUM_WARPS)
-    return args, constexprs
-
-
-def band_dkdv(q, k, v, do, lse, delta, scale, left, right):
+def dkdv(q, k, v, do, lse, delta, scale, vis, config):
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    args, constexprs = _arguments(q, k, v, do, dk, dv, lse, delta, scale, left, right)
-    band_dkdv_kernel[(triton.cdiv(k.shape[2], BLOCK_N), k.shape[0] * k.shape[1])](*args, **constexprs)
+    args, constexprs = glb._arguments((dk, dv), q, k, v, do, lse, delta, scale, vis, **_config(config))
+    glb.dkdv_kernel[(triton.cdiv(k.shape[2], config[1]), k.shape[0] * k.shape[1])](*args, **constexprs)
     return dk, dv
 
 
+def dq(q, k, v, do, lse, delta, scale, vis, config):
+    out = torch.empty_like(q)
+    args, constexprs = glb._arguments((out,), q, k, v, do, lse, delta, scale, vis, **_config(config))
+    glb.dq_kernel[(triton.cdiv(q.shape[2], config[0]), q.shape[0] * q.shape[1])](*args, **constexprs)
+    return out
+
+
 def compile_report(head_dim: int):
-    import re
-    import subprocess
-    import tempfile
+    for kernel, configs in (("dkdv", DKDV_CONFIGS), ("dq", DQ_CONFIGS)):
+        for config in configs:
+            usage = glb.compile_for_sm90(head_dim, torch.bfloat16, False, (kernel,), **_config(config))
+            print(f"{kernel} d{head_dim} {config}: {usage[kernel]}", flush=True)
 
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
 
-    t = torch.zeros(1, 2, 1000, head_dim, dtype=torch.bfloat16)
-    rows = torch.zeros(1, 2, 1000)
-    for kernel, (values, constexprs) in ((band_dkdv_kernel, _arguments(t, t, t, t, t, t, rows, rows, 0.1, 512, 0)),
-                                         (band_dq_kernel, _dq_arguments(t, t, t, t, t, rows, rows, 0.1, 512, 0))):
-        signature = {n: mangle_type(a) for n, a in zip(kernel.arg_names, values)}
-        signature.update({n: "constexpr" for n in constexprs})
-        compiled = triton.compile(GluonASTSource(kernel, signature, constexprs=constexprs),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
-        with tempfile.TemporaryDirectory() as tmp:
-            with open(f"{tmp}/k.ptx", "w") as f:
-                f.write(compiled.asm["ptx"])
-            report = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", f"{tmp}/k.ptx", "-o",
-                                     f"{tmp}/k.cubin"], capture_output=True, text=True, check=True).stderr
-        spills = re.search(r"(\d+) bytes spill stores", report)
-        registers = re.search(r"Used (\d+) registers", report).group(1)
-        print(f"{kernel.__name__} d{head_dim}: {registers} registers, {spills.group(1) if spills else 0} bytes "
-              f"spilled, {compiled.metadata.shared} B shared", flush=True)
+def _timed(label, fn, check):
+    """Time fn after checking it against the Triton backward; a configuration that fails prints
+    why and the sweep goes on."""
+    from triton.testing import do_bench
+    try:
+        for name, mine, ref in check(fn()):
+            err = (mine.float() - ref.float()).abs().max().item()
+            print(f"  {label}: max |{name} - triton| {err:.3g} (|{name}| max {ref.abs().max().item():.3g})")
+        ms = do_bench(fn, rep=200)
+        print(f"  {label}: {ms * 1e3:.1f} us", flush=True)
+        return ms
+    except Exception as e:  # noqa: BLE001 - a report line per configuration
+        print(f"  {label}: failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
+        return float("inf")
 
 
 def main():
@@ -294,6 +72,7 @@ def main():
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--s", type=int, default=8192)
     ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--bands", default="window,causal,full", help="which of window, causal, full to run")
     args = ap.parse_args()
     if args.compile_only:
         for d in (64, 128):
@@ -301,29 +80,32 @@ def main():
         return
     from triton.testing import do_bench
 
-    from kernelforge.reference.attention import Visibility
     from kernelforge.triton import attention as tri
 
-    S, W = args.s, args.window
+    bands = {"window": (True, (args.window, None)), "causal": (True, None), "full": (False, None)}
+    S = args.s
     for D in (128, 64):
         B, H = 16384 // S, 16
         q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         do = torch.randn_like(q)
         scale = D ** -0.5
-        vis = Visibility.of(True, (W, None))
-        out, lse = tri.flash_forward(q, k, v, scale, vis)
-        delta = (out.float() * do.float()).sum(-1)
-        ref_dq, ref_dk, ref_dv = tri.flash_backward(do, q, k, v, out, lse, scale, vis)
-        dk, dv = band_dkdv(q, k, v, do, lse, delta, scale, W, 0)
-        dq = band_dq(q, k, v, do, lse, delta, scale, W, 0)
-        for name, mine, ref in (("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv)):
-            print(f"d{D}: max |{name} - triton| {(mine.float() - ref.float()).abs().max().item():.3g} "
-                  f"(|{name}| max {ref.abs().max().item():.3g})", flush=True)
-        t_dkdv = do_bench(lambda: band_dkdv(q, k, v, do, lse, delta, scale, W, 0), rep=200)
-        t_dq = do_bench(lambda: band_dq(q, k, v, do, lse, delta, scale, W, 0), rep=200)
-        t_tri = do_bench(lambda: tri.flash_backward(do, q, k, v, out, lse, scale, vis), rep=200)
-        print(f"d{D} window {W}: gluon dK/dV {t_dkdv * 1e3:.1f} us + dQ {t_dq * 1e3:.1f} us; triton backward "
-              f"(delta, dK/dV, dQ) {t_tri * 1e3:.1f} us", flush=True)
+        for band in args.bands.split(","):
+            vis = Visibility.of(*bands[band])
+            out, lse = tri.flash_forward(q, k, v, scale, vis)
+            delta = (out.float() * do.float()).sum(-1)
+            glb.ENABLED["window_backward"] = False  # the Triton backward as the yardstick
+            ref_dq, ref_dk, ref_dv = tri.flash_backward(do, q, k, v, out, lse, scale, vis)
+            t_tri = do_bench(lambda: tri.flash_backward(do, q, k, v, out, lse, scale, vis), rep=200)
+            glb.ENABLED["window_backward"] = True
+            t_lib = do_bench(lambda: tri.flash_backward(do, q, k, v, out, lse, scale, vis), rep=200)
+            print(f"d{D} {band}: triton backward (delta, dK/dV, dQ) {t_tri * 1e3:.1f} us; the library's "
+                  f"{t_lib * 1e3:.1f} us", flush=True)
+            best_dkdv = min(_timed(f"dK/dV {c}", lambda c=c: dkdv(q, k, v, do, lse, delta, scale, vis, c),
+                                   lambda r: (("dk", r[0], ref_dk), ("dv", r[1], ref_dv))) for c in DKDV_CONFIGS)
+            best_dq = min(_timed(f"dQ {c}", lambda c=c: dq(q, k, v, do, lse, delta, scale, vis, c),
+                                 lambda r: (("dq", r, ref_dq),)) for c in DQ_CONFIGS)
+            print(f"d{D} {band}: best gluon dK/dV {best_dkdv * 1e3:.1f} + dQ {best_dq * 1e3:.1f} us against "
+                  f"triton {t_tri * 1e3:.1f} us", flush=True)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ flash_forward(q, k, v, scale, vis) -> (out, lse) and flash_backward(...) -> (dq,
 backend interface of kernelforge/ops/attention.py. A few query tokens against a long cache
 take the split-key decode kernels (kernelforge/triton/attention_decode.py); a sliding window or a
 BlockMask on an sm_90 GPU takes the Gluon forward (kernelforge/triton/attention_gluon.py) where
-it applies.
+it applies, and a sliding window the Gluon backward (attention_gluon_backward.py).
 Inputs may have any strides whose last dimension is unit (else one copy); outputs are dense.
 Masks are read through their strides (a broadcast mask is never materialized). Launches run on
 the current CUDA stream of q's device, and on CPU tensors under TRITON_INTERPRET=1.
@@ -159,13 +159,14 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-def _gluon_forward():
-    """kernelforge.triton.attention_gluon, or None where this Triton has no Gluon for Hopper."""
+def _gluon(module: str):
+    """kernelforge.triton.<module> (attention_gluon, attention_gluon_backward), or None where
+    this Triton has no Gluon for Hopper."""
+    import importlib
     try:
-        from kernelforge.triton import attention_gluon
+        return importlib.import_module(f"kernelforge.triton.{module}")
     except ImportError:
         return None
-    return attention_gluon
 
 
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, vis: Visibility):
@@ -175,7 +176,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
                                                _pow2, LOG2E)
     if q.is_cuda and (vis.left is not None or vis.block_mask is not None):
         # a sliding window or a BlockMask on Hopper: the Gluon forward (attention_gluon.py)
-        gluon = _gluon_forward()
+        gluon = _gluon("attention_gluon")
         if gluon is not None and gluon.takes(q, k, v, vis, device_capability(q.device)):
             with on_device(q):
                 return gluon.forward(q, k, v, scale, vis)
@@ -210,24 +211,30 @@ def flash_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     lse = lse.contiguous()
     B, H, Sq, D = q.shape
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    cfg = _config(BACKWARD_TILES, q, k, v, vis)
-    mask, mstr, mask_kind = _mask_args(q, vis)
-    left, right, has_left, has_right = _band(vis)
-    dq = torch.empty(B, H, Sq, D, dtype=q.dtype, device=q.device)
-    dk = torch.empty(B, Hkv, Sk, D, dtype=k.dtype, device=k.device)
-    dv = torch.empty(B, Hkv, Sk, Dv, dtype=v.dtype, device=v.device)
     delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
-    common = dict(HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
-                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_LEFT=has_left, HAS_RIGHT=has_right,
-                  HAS_BAND=has_left or has_right, MASK_KIND=mask_kind, BLOCK_SPARSE=vis.block_mask is not None,
-                  PRECISION=_precision(q), ONE_LOOP=_one_loop(vis, mask_kind, "backward"),
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     with on_device(q):
         delta_rows = 64
         launch(
             backward_delta_kernel, (triton.cdiv(Sq, delta_rows), B * H),
             out, grad_out, delta, *out.stride()[:3], *grad_out.stride()[:3], H, Sq,
             HEAD_DIM_V=Dv, BLOCK_M=delta_rows, BLOCK_DV=_pow2(Dv))
+        if q.is_cuda and vis.left is not None:
+            # a sliding window on Hopper: the Gluon backward (attention_gluon_backward.py)
+            gluon = _gluon("attention_gluon_backward")
+            if gluon is not None and gluon.takes(grad_out, q, k, v, vis, device_capability(q.device)):
+                return gluon.backward(grad_out, q, k, v, lse, delta, scale, vis)
+    cfg = _config(BACKWARD_TILES, q, k, v, vis)
+    mask, mstr, mask_kind = _mask_args(q, vis)
+    left, right, has_left, has_right = _band(vis)
+    dq = torch.empty(B, H, Sq, D, dtype=q.dtype, device=q.device)
+    dk = torch.empty(B, Hkv, Sk, D, dtype=k.dtype, device=k.device)
+    dv = torch.empty(B, Hkv, Sk, Dv, dtype=v.dtype, device=v.device)
+    common = dict(HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_LEFT=has_left, HAS_RIGHT=has_right,
+                  HAS_BAND=has_left or has_right, MASK_KIND=mask_kind, BLOCK_SPARSE=vis.block_mask is not None,
+                  PRECISION=_precision(q), ONE_LOOP=_one_loop(vis, mask_kind, "backward"),
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    with on_device(q):
         counts, full, blocks, partial, bits, scb, sch, sbb, sbh, nqb, mb_q, mb_k = _block_args(q, vis, True)
         launch(
             flash_backward_dkdv_kernel, (triton.cdiv(Sk, cfg.block_n), B * Hkv),

@@ -44,8 +44,9 @@ Measured (H200, bf16, 2 x 16 heads x 8192, d128):
 
 Only sm_90 has wgmma; kernelforge/triton/attention.py sends a call here when `takes` says so
 and keeps the Triton forward for everything else (attn_mask, mask tiles under 64, other
-GPUs, fp32, other head dims). The backward is the Triton one: it reads (out, lse) the same
-way.
+GPUs, fp32, other head dims). The band's backward is in Gluon too
+(attention_gluon_backward.py); a BlockMask's is the Triton one. Both read (out, lse) as the
+Triton forward writes them.
 """
 from __future__ import annotations
 
@@ -71,8 +72,9 @@ STAGES = 2
 NUM_WARPS = 4
 LOG2E = 1.4426950408889634
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
-# Off switches for experiments and tests (benchmarks/gluon_window_experiment.py times both forwards).
-ENABLED = {"window": True, "block_mask": True}
+# Off switches for experiments and tests (benchmarks/gluon_window_experiment.py times both forwards);
+# "window_backward" is the band's backward (attention_gluon_backward.py).
+ENABLED = {"window": True, "block_mask": True, "window_backward": True}
 
 
 @gluon.jit
@@ -310,9 +312,12 @@ def forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE, COUNTS, BLOCKS, PARTIAL,
 
 # ----------------------------------------------------------------------------- launcher
 def _tma_ready(t: torch.Tensor) -> bool:
-    """A 4-D TMA descriptor needs a 16-byte aligned base and 16-byte multiples as strides."""
+    """A 4-D TMA descriptor needs a 16-byte aligned base and 16-byte multiples as strides; a
+    broadcast dimension (stride 0, as an expanded tensor or autograd's gradient of a sum
+    gives) is left to the Triton kernels, which read it in place."""
     size = t.element_size()
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in t.stride()[:-1])
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all((s * size) % 16 == 0 and (s > 0 or n == 1) for s, n in zip(t.stride()[:-1], t.shape[:-1])))
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility, capability) -> bool:
@@ -374,10 +379,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, vis
 
 
 # ----------------------------------------------------------------------------- build check
-def compile_for_sm90(head_dim: int, dtype: torch.dtype, has_right: bool, block_sparse: bool = False) -> dict:
-    """Compile the kernel for sm_90a without a GPU (Triton's own ptxas) and report its
-    registers a thread, spilled bytes and shared memory: the test suite's check that this
-    Triton still builds it within two programs an SM."""
+def sm90_usage(kernel, values: tuple, constexprs: dict) -> dict:
+    """Compile a Gluon kernel for sm_90a without a GPU (Triton's own ptxas) on these launch
+    arguments and report its registers a thread, spilled bytes and shared memory."""
     import re
     import subprocess
     import tempfile
@@ -387,19 +391,10 @@ def compile_for_sm90(head_dim: int, dtype: torch.dtype, has_right: bool, block_s
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    q = torch.zeros(1, 2, 1000, head_dim, dtype=dtype)
-    lse = torch.zeros(1, 2, 1000)
-    if block_sparse:  # the benchmark's mask: a causal window of 512 keys on 128 x 128 tiles
-        from kernelforge.block_mask import sliding_window_block_mask
-        vis = Visibility(None, 0 if has_right else None, block_mask=sliding_window_block_mask(1000, 1000, 512))
-    else:
-        vis = Visibility(512, 0 if has_right else None)
-    values, constexprs = _arguments(q, q, q, q, lse, 0.1, vis)
-    names = forward_kernel.arg_names
-    signature = {name: mangle_type(arg) for name, arg in zip(names, values)}
+    signature = {name: mangle_type(arg) for name, arg in zip(kernel.arg_names, values)}
     signature.update({name: "constexpr" for name in constexprs})
-    compiled = triton.compile(GluonASTSource(forward_kernel, signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
+    compiled = triton.compile(GluonASTSource(kernel, signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": constexprs["num_warps"]})
     with tempfile.TemporaryDirectory() as tmp:
         ptx = f"{tmp}/kernel.ptx"
         with open(ptx, "w") as f:
@@ -409,3 +404,16 @@ def compile_for_sm90(head_dim: int, dtype: torch.dtype, has_right: bool, block_s
     spills = re.search(r"(\d+) bytes spill stores", report)
     return {"registers": int(re.search(r"Used (\d+) registers", report).group(1)),
             "spills": int(spills.group(1)) if spills else 0, "shared": compiled.metadata.shared}
+
+
+def compile_for_sm90(head_dim: int, dtype: torch.dtype, has_right: bool, block_sparse: bool = False) -> dict:
+    """sm90_usage of the forward on a window of 512 (or that window as a BlockMask): the test
+    suite's check that this Triton still builds it within two programs an SM."""
+    q = torch.zeros(1, 2, 1000, head_dim, dtype=dtype)
+    lse = torch.zeros(1, 2, 1000)
+    if block_sparse:  # the benchmark's mask: a causal window of 512 keys on 128 x 128 tiles
+        from kernelforge.block_mask import sliding_window_block_mask
+        vis = Visibility(None, 0 if has_right else None, block_mask=sliding_window_block_mask(1000, 1000, 512))
+    else:
+        vis = Visibility(512, 0 if has_right else None)
+    return sm90_usage(forward_kernel, *_arguments(q, q, q, q, lse, 0.1, vis))

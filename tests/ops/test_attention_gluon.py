@@ -1,12 +1,13 @@
-"""The Gluon forward for a sliding window or a BlockMask (kernelforge/triton/attention_gluon.py).
+"""The Gluon forward for a sliding window or a BlockMask (kernelforge/triton/attention_gluon.py)
+and the Gluon backward for a sliding window (attention_gluon_backward.py).
 
-On an sm_90 GPU: output, lse and (through the Triton backward) gradients against the float64
-oracle at odd lengths, grouped heads, Sq != Sk, both head dims, both dtypes, strided
-storage and keyless rows; block masks of every pattern, tile size and broadcast, alone and
-with a band, with query tiles that list nothing; each with a check that the Gluon kernel
-really ran. Everywhere: the kernel compiles for sm_90 under the pinned Triton within the
-budget that lets two programs share an SM, and `takes` sends it exactly the calls it
-supports."""
+On an sm_90 GPU: output, lse and gradients (the window's through the Gluon backward, a
+BlockMask's through the Triton one) against the float64 oracle at odd lengths, grouped heads,
+Sq != Sk, both head dims, both dtypes, strided storage and keyless rows; block masks of every
+pattern, tile size and broadcast, alone and with a band, with query tiles that list nothing;
+each with a check that the Gluon kernels really ran. Everywhere: the kernels compile for sm_90
+under the pinned Triton within the budget that lets two programs share an SM, and each
+`takes` sends its kernels exactly the calls they support."""
 import math
 
 import pytest
@@ -15,10 +16,12 @@ import torch
 import kernelforge as kf
 from kernelforge.reference.attention import Visibility
 from tests.conftest import HAS_CUDA
+from tests.attention_oracle import naive_attention
 from tests.ops.test_attention import check
 from tests.ops.test_block_mask import _check_block_sparse
 
 gluon = pytest.importorskip("kernelforge.triton.attention_gluon")
+gluon_backward = pytest.importorskip("kernelforge.triton.attention_gluon_backward")
 
 ON_HOPPER = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
 needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU (wgmma)")
@@ -35,6 +38,20 @@ def gluon_calls(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(gluon, "forward", counted)
+    return calls
+
+
+@pytest.fixture
+def gluon_backward_calls(monkeypatch):
+    """How many times the Gluon backward ran."""
+    calls = []
+    real = gluon_backward.backward
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gluon_backward, "backward", counted)
     return calls
 
 
@@ -55,21 +72,58 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
 @pytest.mark.gpu
 @needs_hopper
-def test_matches_oracle(case, dtype, gluon_calls):
+def test_matches_oracle(case, dtype, gluon_calls, gluon_backward_calls):
     B, H, Hkv, Sq, Sk, D, causal, window = case
-    check("triton", "cuda", dtype, B, H, Hkv, Sq, Sk, D, None, causal, window, None,
-          backward=Sq * Sk <= 4 * 1000 * 1000)
+    check("triton", "cuda", dtype, B, H, Hkv, Sq, Sk, D, None, causal, window, None)
     assert gluon_calls, "the Gluon forward did not run"
+    assert gluon_backward_calls, "the Gluon backward did not run"
 
 
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=["mqa", "gqa-short-queries"])
-def test_strided_bshd_storage(case, gluon_calls):
+def test_strided_bshd_storage(case, gluon_calls, gluon_backward_calls):
     # (batch, seq, heads, dim) storage seen through a transpose: 4-D TMA descriptors read it in place
     B, H, Hkv, Sq, Sk, D, causal, window = case
     check("triton", "cuda", torch.bfloat16, B, H, Hkv, Sq, Sk, D, None, causal, window, None, layout="bshd")
-    assert gluon_calls
+    assert gluon_calls and gluon_backward_calls
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_backward_agrees_with_the_triton_backward(monkeypatch, gluon_backward_calls):
+    q, k, v = (torch.randn(2, 16, 2048, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    grad = torch.randn(2, 16, 2048, 128, device="cuda", dtype=torch.bfloat16)
+    with kf.use_backend("triton"):
+        out = kf.flash_attention(q, k, v, causal=True, window=(512, None))
+        mine = torch.autograd.grad(out, (q, k, v), grad)
+        assert gluon_backward_calls
+        monkeypatch.setitem(gluon.ENABLED, "window_backward", False)
+        theirs = torch.autograd.grad(out, (q, k, v), grad)
+    assert len(gluon_backward_calls) == 1
+    # the same bf16 products summed in fp32 in another order, rounded to bf16: a few ulps
+    for name, a, b in zip("qkv", mine, theirs):
+        scale = b.float().abs().max().item()
+        assert (a.float() - b.float()).abs().max().item() <= 2 ** -6 * scale, f"d{name}"
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_broadcast_gradient_takes_the_triton_backward(gluon_backward_calls):
+    """A gradient with a stride-0 dimension (autograd's gradient of (out * w).sum()) is no TMA
+    operand: the Triton backward reads it in place, and the result matches the oracle."""
+    q, k, v = (torch.randn(1, 2, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    w = torch.randn(64, device="cuda", dtype=torch.bfloat16)
+    mine = [t.clone().requires_grad_() for t in (q, k, v)]
+    exact = [t.double().requires_grad_() for t in (q, k, v)]
+    with kf.use_backend("triton"):
+        (kf.flash_attention(*mine, causal=True, window=(50, None)) * w).sum().backward()
+    assert not gluon_backward_calls
+    ref, _ = naive_attention(*exact, causal=True, window=(50, None))
+    (ref * w.double()).sum().backward()
+    for name, a, b in zip("qkv", mine, exact):
+        assert (a.grad.double() - b.grad).abs().max().item() <= 2e-2 * b.grad.abs().max().item(), f"d{name}"
 
 
 @pytest.mark.gpu
@@ -175,6 +229,28 @@ def test_takes_only_what_it_supports():
     odd = torch.zeros(1, 2, 40, 129, dtype=torch.bfloat16)[..., :128]  # rows of 258 bytes: no TMA
     assert not gluon.takes(odd, k, v, window, (9, 0))
     assert not gluon.takes(q, k[:, :, :0], v[:, :, :0], window, (9, 0)), "no keys"
+    shared = torch.zeros(1, 1, 40, 128, dtype=torch.bfloat16).expand(1, 2, 40, 128)
+    assert not gluon.takes(q, shared, shared, window, (9, 0)), "a stride-0 head dimension: no TMA"
+
+
+def test_backward_takes_only_what_it_supports():
+    q, k, v = _inputs()
+    grad = torch.zeros_like(q)
+    window = Visibility.of(True, (64, None))
+    assert gluon_backward.takes(grad, q, k, v, window, (9, 0))
+    assert gluon_backward.takes(grad, q, k, v, Visibility.of(False, (64, 30)), (9, 0)), "two-sided band"
+    assert not gluon_backward.takes(grad, q, k, v, window, (8, 0)), "wgmma is sm_90 only"
+    assert not gluon_backward.takes(grad, q, k, v, Visibility.of(True, None), (9, 0)), "no left bound"
+    bm = kf.sliding_window_block_mask(40, 40, 8)
+    assert not gluon_backward.takes(grad, q, k, v, Visibility.of(False, None, block_mask=bm), (9, 0))
+    assert not gluon_backward.takes(grad, q, k, v, Visibility.of(True, (64, None), block_mask=bm), (9, 0))
+    mask = torch.ones(40, 40, dtype=torch.bool)
+    assert not gluon_backward.takes(grad, q, k, v, Visibility.of(True, (64, None), attn_mask=mask), (9, 0))
+    assert not gluon_backward.takes(*_inputs(torch.float32)[:1], *_inputs(torch.float32), window, (9, 0))
+    assert not gluon_backward.takes(*_inputs(D=96)[:1], *_inputs(D=96), window, (9, 0))
+    assert not gluon_backward.takes(grad.half(), q, k, v, window, (9, 0)), "a gradient of another dtype"
+    assert not gluon_backward.takes(torch.zeros(128, dtype=torch.bfloat16).expand(q.shape), q, k, v, window,
+                                    (9, 0)), "a broadcast gradient: no TMA"
 
 
 def test_takes_block_masks_in_whole_kernel_tiles():
@@ -204,8 +280,14 @@ def sm90_builds():
 
     code = ("import json, torch\n"
             "from kernelforge.triton.attention_gluon import compile_for_sm90\n"
-            "print(json.dumps({f'{d}-{r}-{s}': compile_for_sm90(d, torch.bfloat16, r, s)\n"
-            "                  for d in (64, 128) for r in (False, True) for s in (False, True)}))\n")
+            "from kernelforge.triton import attention_gluon_backward as b\n"
+            "builds = {f'{d}-{r}-{s}': compile_for_sm90(d, torch.bfloat16, r, s)\n"
+            "          for d in (64, 128) for r in (False, True) for s in (False, True)}\n"
+            "for d in (64, 128):\n"
+            "    for r in (False, True):\n"
+            "        for kernel, usage in b.compile_for_sm90(d, torch.bfloat16, r).items():\n"
+            "            builds[f'{kernel}-{d}-{r}'] = usage\n"
+            "print(json.dumps(builds))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -220,5 +302,19 @@ def test_compiles_for_sm90_within_two_programs_an_sm(D, has_right, block_sparse,
     without spills, in registers and shared memory that let two programs share an SM."""
     usage = sm90_builds[f"{D}-{has_right}-{block_sparse}"]
     assert usage["spills"] == 0, usage
+    assert usage["registers"] * 128 * 2 <= 65536, usage
+    assert 2 * (usage["shared"] + 1024) <= 228 * 1024, usage
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("has_right", [False, True])
+@pytest.mark.parametrize("kernel", ["dkdv", "dq"])
+def test_backward_compiles_for_sm90_within_two_programs_an_sm(D, has_right, kernel, sm90_builds):
+    """The backward kernels build for sm_90a within two programs an SM. dK/dV at d128 keeps
+    dK, dV (64 registers each) and two score tiles live: ptxas spills a few bytes there (4
+    with a right bound, 20 without); the H200 timings (305 us dK/dV on the causal window of
+    512, S 8192) were taken with those spills, so a larger spill is a regression."""
+    usage = sm90_builds[f"{kernel}-{D}-{has_right}"]
+    assert usage["spills"] <= (32 if (kernel, D) == ("dkdv", 128) else 0), usage
     assert usage["registers"] * 128 * 2 <= 65536, usage
     assert 2 * (usage["shared"] + 1024) <= 228 * 1024, usage

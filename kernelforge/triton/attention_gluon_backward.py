@@ -1,0 +1,288 @@
+"""Hopper flash-attention backward for a band of keys (sliding window), in Gluon: dK/dV and dQ.
+
+Why next to the Triton backward (attention_kernels.py): on a causal window of 512 (2 x 16 x
+8192, d128, bf16, H200) the Triton backward took 0.65 ms against the Gluon forward's 0.18,
+and forward + backward stood at 1.19x FlexAttention against a 1.5x target. Its dK/dV kernel
+holds K, V and both accumulators in registers (255 a thread, spilling). Here K and V stay in
+shared memory as wgmma operands, the two score MMAs of a step run asynchronously ahead of the
+elementwise work, and P^T and dS^T feed the next MMAs from registers.
+
+dK/dV (dkdv_kernel): one warpgroup a 64-key tile of one (batch, kv head); it walks the query
+tiles that see the key tile (_col_range), for every q head of the group, as one loop:
+
+    issue S^T = K Q_i^T and dP^T = V dO_i^T   (async wgmma, both operands in shared memory)
+    wait S^T; P^T = exp2(S^T * scale - lse_i)  (masked on edge tiles)
+    issue dV += P^T dO_i
+    wait dP^T; dS^T = P^T (dP^T - delta_i)
+    issue dK += dS^T Q_i
+    wait; refill the Q / dO ring slot by TMA
+
+dQ (dq_kernel): one warpgroup a 64-row query tile; it walks the band as the forward does:
+issue S = Q K_j^T and dP = dO V_j^T; wait S, P = exp2(S * scale - lse); wait dP, refill the
+V slot; dS = P (dP - delta); issue dQ += dS K_j; wait; refill the K slot.
+
+Work per tile pair of 64 x 64: dK/dV 4 MMAs and dQ 3, each 2 * 64 * 64 * D FLOPs (S and dP
+are computed twice: a fused kernel would add dQ by atomics instead). Bytes: K, V, dK, dV once
+per key tile; Q, dO, lse, delta once per key tile that sees them (from L2: neighbouring key
+tiles share their query tiles); Q, dO, dQ once and K, V once per query tile in dQ. delta =
+rowsum(O * dO) comes from the Triton kernel before both. No atomics: deterministic.
+
+Measured (H200, bf16, causal window 512, 2 x 16 x 8192; benchmarks/gluon_backward_experiment.py,
+benchmarks/results/nvidia-h200/attention/gluon-backward-experiment/): d128 dK/dV 305-312 us
+and dQ 216-222 us against the Triton backward's 650 us (delta, dK/dV, dQ); d64 214 + 118
+against 393. Slower there, each measured: 32-row query steps, 128-key tiles on two
+warpgroups, 1 or 3 stages, 128-row dQ tiles, and issuing step t + 1's score MMAs before
+waiting for step t's accumulating MMAs (dK/dV 502 us, dQ 261: the wait for the older MMAs
+alone costs more than it hides).
+
+Only sm_90 has wgmma; kernelforge/triton/attention.py sends a backward here when `takes` says
+so (the same calls as the Gluon forward's band, with TMA-able gradients) and keeps the Triton
+backward for everything else.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from kernelforge.reference.attention import Visibility
+from kernelforge.triton._launch import launch
+from kernelforge.triton.attention_gluon import (DTYPES, ENABLED, HEAD_DIMS, LOG2E, _band_tiles, _descriptor,
+                                                _issue_tile, _tma_ready, one_and_two_rings, query_tile_program,
+                                                sm90_usage)
+from kernelforge.triton.attention_visibility import _col_range, _in_band
+
+BLOCK_M = 64  # query rows a step (dK/dV) or a program (dQ): one warpgroup's wgmma height
+BLOCK_N = 64  # keys a program (dK/dV) or a step (dQ)
+STAGES = 2
+NUM_WARPS = 4
+LOG2E_C: gl.constexpr = gl.constexpr(LOG2E)
+
+
+@gluon.jit
+def _lse2(LSE, row_base, rows, Sq):
+    """The forward's lse (natural log) in log2 units, +inf where a row saw no key or lies past
+    Sq, so that P = exp2(s2 - lse2) is exactly 0 there."""
+    lse = gl.load(LSE + row_base + rows, mask=rows < Sq, other=float("-inf"))
+    return gl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
+
+
+@gluon.jit
+def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
+                H, GROUP, Sq, Sk, off, LEFT, RIGHT, qk_scale, scale,
+                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    dtype: gl.constexpr = q_desc.dtype
+
+    HKV = H // GROUP
+    pid_bh = gl.program_id(1)
+    b = pid_bh // HKV
+    hk = pid_bh % HKV
+    n0 = gl.program_id(0) * BLOCK_N
+    lo, full_lo, full_hi, hi = _col_range(n0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    per_head = gl.cdiv(hi - lo, BLOCK_M)
+    steps = per_head * GROUP  # 0 for a key tile no row sees: dK = dV = 0
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+
+    # K and V come once, on one barrier; Q and dO stream through rings
+    k_buf, kv_ready, q_bufs, q_ready, do_bufs, do_ready = one_and_two_rings(k_desc, q_desc, do_desc, STAGES)
+    v_buf = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_ready, k_buf)
+    tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_ready, v_buf)
+    for st in gl.static_range(STAGES):
+        h_st = hk * GROUP + st // gl.maximum(per_head, 1)
+        m_st = lo + (st % gl.maximum(per_head, 1)) * BLOCK_M
+        _issue_tile(q_desc, q_bufs, q_ready, b, h_st, m_st, st, st < steps)
+        _issue_tile(do_desc, do_bufs, do_ready, b, h_st, m_st, st, st < steps)
+
+    k = k_buf.reshape([BLOCK_N, HEAD_DIM])
+    v = v_buf.reshape([BLOCK_N, HEAD_DIM])
+    keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+    mbarrier.wait(kv_ready, 0)
+
+    for t in range(steps):
+        slot = t % STAGES
+        phase = (t // STAGES) & 1
+        h = hk * GROUP + t // per_head
+        m0 = lo + (t % per_head) * BLOCK_M
+        q_i = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        do_i = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        mbarrier.wait(q_ready.index(slot), phase)
+        sT = warpgroup_mma(k, q_i.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(slot), phase)
+        dpT = warpgroup_mma(v, do_i.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        rows = m0 + cols
+        row_base = (b * H + h).to(gl.int64) * Sq
+        lse2 = _lse2(LSE, row_base, rows, Sq)
+        sT = warpgroup_mma_wait(1, deps=(sT,))
+        if (m0 < full_lo) | (m0 >= full_hi):
+            ok = _in_band(rows[None, :], keys[:, None], Sq, Sk, off, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT)
+            sT = gl.where(ok, sT, float("-inf"))
+        pT = gl.exp2(sT * qk_scale - lse2[None, :])
+        pT_op = gl.convert_layout(pT.to(dtype), op_layout)
+        dv = warpgroup_mma(pT_op, do_i, dv, is_async=True)
+        # delta loaded only now: its registers are not live across the exponentials
+        delta = gl.load(DELTA + row_base + rows, mask=rows < Sq, other=0.0)
+        dpT = warpgroup_mma_wait(1, deps=(dpT,))
+        dsT_op = gl.convert_layout((pT * (dpT - delta[None, :])).to(dtype), op_layout)
+        dk = warpgroup_mma(dsT_op, q_i, dk, is_async=True)
+        # the register operands stay live until their MMAs are done
+        dv, dk, pT_op, dsT_op = warpgroup_mma_wait(0, deps=(dv, dk, pT_op, dsT_op))
+        # slot `slot` is free: fetch step t + STAGES into it
+        nxt = t + STAGES
+        h_n = hk * GROUP + nxt // per_head
+        m_n = lo + (nxt % per_head) * BLOCK_M
+        _issue_tile(q_desc, q_bufs, q_ready, b, h_n, m_n, slot, nxt < steps)
+        _issue_tile(do_desc, do_bufs, do_ready, b, h_n, m_n, slot, nxt < steps)
+
+    mbarrier.invalidate(kv_ready)
+    for st in gl.static_range(STAGES):
+        mbarrier.invalidate(q_ready.index(st))
+        mbarrier.invalidate(do_ready.index(st))
+    # dK = scale * sum dS^T Q, dV = sum P^T dO, out through K's and V's buffers (every MMA is
+    # done); TMA clips the store at Sk
+    k.store((dk * scale).to(dtype))
+    v.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [b, hk, n0, 0], k_buf)
+    tma.async_copy_shared_to_global(dv_desc, [b, hk, n0, 0], v_buf)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
+              H, GROUP, Sq, Sk, off, LEFT, RIGHT, qk_scale, scale,
+              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    dtype: gl.constexpr = q_desc.dtype
+
+    pid_bh, b, h, hk, m0 = query_tile_program(H, GROUP, BLOCK_M)
+    lo, tiles, full_lo, full_hi = _band_tiles(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    # Q and dO come once (on Q's barrier), K and V stream through rings
+    q_buf, qdo_ready, k_bufs, k_ready, v_bufs, v_ready = one_and_two_rings(q_desc, k_desc, v_desc, STAGES)
+    do_buf = gl.allocate_shared_memory(dtype, do_desc.block_type.shape, do_desc.layout)
+    mbarrier.expect(qdo_ready, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], qdo_ready, q_buf)
+    tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], qdo_ready, do_buf)
+    for st in gl.static_range(STAGES):
+        _issue_tile(k_desc, k_bufs, k_ready, b, hk, lo + st * BLOCK_N, st, st < tiles)
+        _issue_tile(v_desc, v_bufs, v_ready, b, hk, lo + st * BLOCK_N, st, st < tiles)
+
+    q = q_buf.reshape([BLOCK_M, HEAD_DIM])
+    do = do_buf.reshape([BLOCK_M, HEAD_DIM])
+    rows = m0 + gl.arange(0, BLOCK_M, layout=s_rows)
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    row_base = pid_bh.to(gl.int64) * Sq
+    lse2 = _lse2(LSE, row_base, rows, Sq)
+    delta = gl.load(DELTA + row_base + rows, mask=rows < Sq, other=0.0)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
+    mbarrier.wait(qdo_ready, 0)
+
+    for j in range(tiles):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        n0 = lo + j * BLOCK_N
+        k_j = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
+        mbarrier.wait(k_ready.index(slot), phase)
+        s = warpgroup_mma(q, k_j.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(slot), phase)
+        dp = warpgroup_mma(do, v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                           use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s,))
+        if (n0 < full_lo) | (n0 >= full_hi):
+            ok = _in_band(rows[:, None], n0 + cols[None, :], Sq, Sk, off, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT)
+            s = gl.where(ok, s, float("-inf"))
+        p = gl.exp2(s * qk_scale - lse2[:, None])
+        dp = warpgroup_mma_wait(0, deps=(dp,))
+        # V slot `slot` is free: fetch tile j + STAGES into it
+        _issue_tile(v_desc, v_bufs, v_ready, b, hk, lo + (j + STAGES) * BLOCK_N, slot, j + STAGES < tiles)
+        ds_op = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), op_layout)
+        dq = warpgroup_mma(ds_op, k_j, dq, is_async=True)
+        dq, ds_op = warpgroup_mma_wait(0, deps=(dq, ds_op))
+        _issue_tile(k_desc, k_bufs, k_ready, b, hk, lo + (j + STAGES) * BLOCK_N, slot, j + STAGES < tiles)
+
+    mbarrier.invalidate(qdo_ready)
+    for st in gl.static_range(STAGES):
+        mbarrier.invalidate(k_ready.index(st))
+        mbarrier.invalidate(v_ready.index(st))
+    q.store((dq * scale).to(dtype))  # dQ leaves through Q's buffer (every MMA is done)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dq_desc, [b, h, m0, 0], q_buf)
+    tma.store_wait(0)
+
+
+# ----------------------------------------------------------------------------- launcher
+def takes(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility,
+          capability) -> bool:
+    """Whether this backward runs these inputs: an sm_90 GPU; a band with a bounded left reach
+    (no BlockMask, no attn_mask); fp16 / bf16 with head dims 64 or 128; non-empty; q, k, v and
+    the output's gradient TMA-able."""
+    return (ENABLED["window_backward"] and vis.left is not None and vis.block_mask is None
+            and vis.attn_mask is None and capability == (9, 0)
+            and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype and grad_out.dtype == q.dtype
+            and q.shape[-1] in HEAD_DIMS and v.shape[-1] == q.shape[-1] and q.shape[2] > 0 and k.shape[2] > 0
+            and all(_tma_ready(t) for t in (q, k, v, grad_out)))
+
+
+def _arguments(kernel_out: tuple, q, k, v, grad_out, lse, delta, scale: float, vis: Visibility,
+               block_m: int = BLOCK_M, block_n: int = BLOCK_N, stages: int = STAGES, num_warps: int = NUM_WARPS):
+    """Arguments and constexprs of dkdv_kernel (kernel_out = (dk, dv)) or dq_kernel
+    (kernel_out = (dq,)); the tile shape and pipeline depth are parameters for the experiment."""
+    H, Sq, Hkv, Sk = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
+    outs = tuple(_descriptor(t, block_n if len(kernel_out) == 2 else block_m) for t in kernel_out)
+    args = (_descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
+            *outs, lse, delta, H, H // Hkv, Sq, Sk, Sk - Sq, vis.left if vis.left is not None else 0,
+            vis.right if vis.right is not None else 0, scale * LOG2E, scale)
+    constexprs = dict(HAS_LEFT=vis.left is not None, HAS_RIGHT=vis.right is not None, STAGES=stages,
+                      num_warps=num_warps)
+    return args, constexprs
+
+
+def backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+             delta: torch.Tensor, scale: float, vis: Visibility):
+    """(dq, dk, dv) from the forward's lse and delta = rowsum(O * dO); `takes` having agreed."""
+    B, H, Sq, _ = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    args, constexprs = _arguments((dk, dv), q, k, v, grad_out, lse, delta, scale, vis)
+    launch(dkdv_kernel, (triton.cdiv(Sk, BLOCK_N), B * Hkv), *args, **constexprs)
+    args, constexprs = _arguments((dq,), q, k, v, grad_out, lse, delta, scale, vis)
+    launch(dq_kernel, (triton.cdiv(Sq, BLOCK_M), B * H), *args, **constexprs)
+    return dq, dk, dv
+
+
+def compile_for_sm90(head_dim: int, dtype: torch.dtype, has_right: bool, kernels=("dkdv", "dq"), **config) -> dict:
+    """sm90_usage of the kernels named ({"dkdv": ..., "dq": ...}) on a window of 512, at the
+    library's tiles or at `config` (block_m, block_n, stages, num_warps)."""
+    t = torch.zeros(1, 2, 1000, head_dim, dtype=dtype)
+    rows = torch.zeros(1, 2, 1000)
+    vis = Visibility(512, 0 if has_right else None)
+    builds = {"dkdv": (dkdv_kernel, (t, t)), "dq": (dq_kernel, (t,))}
+    return {name: sm90_usage(builds[name][0], *_arguments(builds[name][1], t, t, t, t, rows, rows, 0.1, vis, **config))
+            for name in kernels}
