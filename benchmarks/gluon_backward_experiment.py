@@ -1,6 +1,6 @@
-"""Experiment: the Gluon backward for a band of keys (kernelforge/triton/attention_gluon_backward.py)
-at other tile shapes and pipeline depths, against the Triton backward, on a sliding window and
-(not wired: the library sends those to the Triton backward) on causal and full attention.
+"""Experiment: the Gluon backward (kernelforge/triton/attention_gluon_backward.py) at other tile
+shapes and pipeline depths, against the Triton backward, on a sliding window, causal and full
+attention.
 
     python3 benchmarks/gluon_backward_experiment.py                 # GPU: agreement and timing
     python3 benchmarks/gluon_backward_experiment.py --compile-only  # CPU: sm_90a build report
@@ -93,10 +93,10 @@ def main():
             vis = Visibility.of(*bands[band])
             out, lse = tri.flash_forward(q, k, v, scale, vis)
             delta = (out.float() * do.float()).sum(-1)
-            glb.ENABLED["window_backward"] = False  # the Triton backward as the yardstick
+            glb.ENABLED["backward"] = False  # the Triton backward as the yardstick
             ref_dq, ref_dk, ref_dv = tri.flash_backward(do, q, k, v, out, lse, scale, vis)
             t_tri = do_bench(lambda: tri.flash_backward(do, q, k, v, out, lse, scale, vis), rep=200)
-            glb.ENABLED["window_backward"] = True
+            glb.ENABLED["backward"] = True
             t_lib = do_bench(lambda: tri.flash_backward(do, q, k, v, out, lse, scale, vis), rep=200)
             print(f"d{D} {band}: triton backward (delta, dK/dV, dQ) {t_tri * 1e3:.1f} us; the library's "
                   f"{t_lib * 1e3:.1f} us", flush=True)

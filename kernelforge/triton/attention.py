@@ -4,7 +4,7 @@ flash_forward(q, k, v, scale, vis) -> (out, lse) and flash_backward(...) -> (dq,
 backend interface of kernelforge/ops/attention.py. A few query tokens against a long cache
 take the split-key decode kernels (kernelforge/triton/attention_decode.py); a sliding window or a
 BlockMask on an sm_90 GPU takes the Gluon forward (kernelforge/triton/attention_gluon.py) where
-it applies, and a sliding window the Gluon backward (attention_gluon_backward.py).
+it applies, and a backward without attn_mask or BlockMask the Gluon one (attention_gluon_backward.py).
 Inputs may have any strides whose last dimension is unit (else one copy); outputs are dense.
 Masks are read through their strides (a broadcast mask is never materialized). Launches run on
 the current CUDA stream of q's device, and on CPU tensors under TRITON_INTERPRET=1.
@@ -218,8 +218,7 @@ def flash_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
             backward_delta_kernel, (triton.cdiv(Sq, delta_rows), B * H),
             out, grad_out, delta, *out.stride()[:3], *grad_out.stride()[:3], H, Sq,
             HEAD_DIM_V=Dv, BLOCK_M=delta_rows, BLOCK_DV=_pow2(Dv))
-        if q.is_cuda and vis.left is not None:
-            # a sliding window on Hopper: the Gluon backward (attention_gluon_backward.py)
+        if q.is_cuda:  # on Hopper, without a mask: the Gluon backward (attention_gluon_backward.py)
             gluon = _gluon("attention_gluon_backward")
             if gluon is not None and gluon.takes(grad_out, q, k, v, vis, device_capability(q.device)):
                 return gluon.backward(grad_out, q, k, v, lse, delta, scale, vis)

@@ -44,7 +44,7 @@ Measured (H200, bf16, 2 x 16 heads x 8192, d128):
 
 Only sm_90 has wgmma; kernelforge/triton/attention.py sends a call here when `takes` says so
 and keeps the Triton forward for everything else (attn_mask, mask tiles under 64, other
-GPUs, fp32, other head dims). The band's backward is in Gluon too
+GPUs, fp32, other head dims). The backward without a BlockMask is in Gluon too
 (attention_gluon_backward.py); a BlockMask's is the Triton one. Both read (out, lse) as the
 Triton forward writes them.
 """
@@ -73,8 +73,8 @@ NUM_WARPS = 4
 LOG2E = 1.4426950408889634
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 # Off switches for experiments and tests (benchmarks/gluon_window_experiment.py times both forwards);
-# "window_backward" is the band's backward (attention_gluon_backward.py).
-ENABLED = {"window": True, "block_mask": True, "window_backward": True}
+# "backward" is attention_gluon_backward.py's.
+ENABLED = {"window": True, "block_mask": True, "backward": True}
 
 
 @gluon.jit

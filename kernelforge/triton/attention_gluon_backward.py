@@ -1,4 +1,5 @@
-"""Hopper flash-attention backward for a band of keys (sliding window), in Gluon: dK/dV and dQ.
+"""Hopper flash-attention backward in Gluon, dK/dV and dQ, for a band of keys: a sliding window,
+causal attention, or every key (any Visibility without a BlockMask or an attn_mask).
 
 Why next to the Triton backward (attention_kernels.py): on a causal window of 512 (2 x 16 x
 8192, d128, bf16, H200) the Triton backward took 0.65 ms against the Gluon forward's 0.18,
@@ -17,7 +18,7 @@ tiles that see the key tile (_col_range), for every q head of the group, as one 
     issue dK += dS^T Q_i
     wait; refill the Q / dO ring slot by TMA
 
-dQ (dq_kernel): one warpgroup a 64-row query tile; it walks the band as the forward does:
+dQ (dq_kernel): one warpgroup a 64-row query tile; it walks its keys as the forward does:
 issue S = Q K_j^T and dP = dO V_j^T; wait S, P = exp2(S * scale - lse); wait dP, refill the
 V slot; dS = P (dP - delta); issue dQ += dS K_j; wait; refill the K slot.
 
@@ -27,17 +28,22 @@ per key tile; Q, dO, lse, delta once per key tile that sees them (from L2: neigh
 tiles share their query tiles); Q, dO, dQ once and K, V once per query tile in dQ. delta =
 rowsum(O * dO) comes from the Triton kernel before both. No atomics: deterministic.
 
-Measured (H200, bf16, causal window 512, 2 x 16 x 8192; benchmarks/gluon_backward_experiment.py,
-benchmarks/results/nvidia-h200/attention/gluon-backward-experiment/): d128 dK/dV 305-312 us
-and dQ 216-222 us against the Triton backward's 650 us (delta, dK/dV, dQ); d64 214 + 118
-against 393. Slower there, each measured: 32-row query steps, 128-key tiles on two
-warpgroups, 1 or 3 stages, 128-row dQ tiles, and issuing step t + 1's score MMAs before
-waiting for step t's accumulating MMAs (dK/dV 502 us, dQ 261: the wait for the older MMAs
-alone costs more than it hides).
+Measured (H200, bf16, 2 x 16 x 8192; benchmarks/gluon_backward_experiment.py, its logs in
+benchmarks/results/nvidia-h200/attention/gluon-backward-experiment/), dK/dV + dQ against the
+Triton backward (delta, dK/dV, dQ):
+
+    d128 causal window 512: 312 + 213 us against 662;  d64: 204 + 118 against 392
+    d128 causal:          1861 + 1331 us against 4259; d64: 1246 + 739 against 2568
+    d128 every key:       3667 + 2506 us against 6973; d64: 2365 + 1356 against 4085
+
+Slower there, each measured: 32-row query steps, 128-key tiles on two warpgroups, 1 or 3
+stages, 128-row dQ tiles, and issuing step t + 1's score MMAs before waiting for step t's
+accumulating MMAs (window d128: dK/dV 502 us, dQ 261: the wait for the older MMAs alone costs
+more than it hides).
 
 Only sm_90 has wgmma; kernelforge/triton/attention.py sends a backward here when `takes` says
-so (the same calls as the Gluon forward's band, with TMA-able gradients) and keeps the Triton
-backward for everything else.
+so and keeps the Triton backward for everything else (BlockMasks, attn_mask, other GPUs, fp32,
+other head dims).
 """
 from __future__ import annotations
 
@@ -240,11 +246,10 @@ def dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
 # ----------------------------------------------------------------------------- launcher
 def takes(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility,
           capability) -> bool:
-    """Whether this backward runs these inputs: an sm_90 GPU; a band with a bounded left reach
-    (no BlockMask, no attn_mask); fp16 / bf16 with head dims 64 or 128; non-empty; q, k, v and
-    the output's gradient TMA-able."""
-    return (ENABLED["window_backward"] and vis.left is not None and vis.block_mask is None
-            and vis.attn_mask is None and capability == (9, 0)
+    """Whether this backward runs these inputs: an sm_90 GPU; no BlockMask, no attn_mask (any
+    band: a window, causal or none); fp16 / bf16 with head dims 64 or 128; non-empty; q, k, v
+    and the output's gradient TMA-able."""
+    return (ENABLED["backward"] and vis.block_mask is None and vis.attn_mask is None and capability == (9, 0)
             and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype and grad_out.dtype == q.dtype
             and q.shape[-1] in HEAD_DIMS and v.shape[-1] == q.shape[-1] and q.shape[2] > 0 and k.shape[2] > 0
             and all(_tma_ready(t) for t in (q, k, v, grad_out)))

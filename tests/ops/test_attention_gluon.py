@@ -97,9 +97,9 @@ def test_backward_agrees_with_the_triton_backward(monkeypatch, gluon_backward_ca
     grad = torch.randn(2, 16, 2048, 128, device="cuda", dtype=torch.bfloat16)
     with kf.use_backend("triton"):
         out = kf.flash_attention(q, k, v, causal=True, window=(512, None))
-        mine = torch.autograd.grad(out, (q, k, v), grad)
+        mine = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
         assert gluon_backward_calls
-        monkeypatch.setitem(gluon.ENABLED, "window_backward", False)
+        monkeypatch.setitem(gluon.ENABLED, "backward", False)
         theirs = torch.autograd.grad(out, (q, k, v), grad)
     assert len(gluon_backward_calls) == 1
     # the same bf16 products summed in fp32 in another order, rounded to bf16: a few ulps
@@ -111,19 +111,40 @@ def test_backward_agrees_with_the_triton_backward(monkeypatch, gluon_backward_ca
 @pytest.mark.gpu
 @needs_hopper
 def test_broadcast_gradient_takes_the_triton_backward(gluon_backward_calls):
-    """A gradient with a stride-0 dimension (autograd's gradient of (out * w).sum()) is no TMA
-    operand: the Triton backward reads it in place, and the result matches the oracle."""
+    """A gradient with stride-0 dimensions (one row of weights for every (batch, head, row)) is
+    no TMA operand: the Triton backward reads it in place, and the result matches the oracle."""
     q, k, v = (torch.randn(1, 2, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     w = torch.randn(64, device="cuda", dtype=torch.bfloat16)
     mine = [t.clone().requires_grad_() for t in (q, k, v)]
     exact = [t.double().requires_grad_() for t in (q, k, v)]
     with kf.use_backend("triton"):
-        (kf.flash_attention(*mine, causal=True, window=(50, None)) * w).sum().backward()
+        out = kf.flash_attention(*mine, causal=True, window=(50, None))
+        grads = torch.autograd.grad(out, mine, w.expand(out.shape))
     assert not gluon_backward_calls
     ref, _ = naive_attention(*exact, causal=True, window=(50, None))
-    (ref * w.double()).sum().backward()
-    for name, a, b in zip("qkv", mine, exact):
-        assert (a.grad.double() - b.grad).abs().max().item() <= 2e-2 * b.grad.abs().max().item(), f"d{name}"
+    ref_grads = torch.autograd.grad(ref, exact, w.double().expand(ref.shape))
+    for name, a, b in zip("qkv", grads, ref_grads):
+        assert (a.double() - b).abs().max().item() <= 2e-2 * b.abs().max().item(), f"d{name}"
+
+
+# (B, H, Hkv, Sq, Sk, D, causal): the Gluon backward without a window, at odd lengths
+UNBANDED_CASES = [
+    (1, 4, 4, 1000, 1000, 128, True),
+    (2, 4, 1, 333, 333, 64, False),     # MQA
+    (1, 8, 2, 17, 1000, 128, True),     # Sq < Sk: bottom-right causal, GQA
+    (1, 2, 2, 1000, 300, 64, True),     # Sq > Sk: the first 700 rows see no key, zero gradients
+    (1, 2, 2, 1, 4097, 128, False),     # one query against many keys
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", UNBANDED_CASES, ids=["-".join(map(str, c)) for c in UNBANDED_CASES])
+@pytest.mark.gpu
+@needs_hopper
+def test_backward_without_a_window_matches_oracle(case, dtype, gluon_backward_calls):
+    B, H, Hkv, Sq, Sk, D, causal = case
+    check("triton", "cuda", dtype, B, H, Hkv, Sq, Sk, D, None, causal, None, None)
+    assert gluon_backward_calls, "the Gluon backward did not run"
 
 
 @pytest.mark.gpu
@@ -239,8 +260,9 @@ def test_backward_takes_only_what_it_supports():
     window = Visibility.of(True, (64, None))
     assert gluon_backward.takes(grad, q, k, v, window, (9, 0))
     assert gluon_backward.takes(grad, q, k, v, Visibility.of(False, (64, 30)), (9, 0)), "two-sided band"
+    assert gluon_backward.takes(grad, q, k, v, Visibility.of(True, None), (9, 0)), "causal"
+    assert gluon_backward.takes(grad, q, k, v, Visibility.of(False, None), (9, 0)), "every key"
     assert not gluon_backward.takes(grad, q, k, v, window, (8, 0)), "wgmma is sm_90 only"
-    assert not gluon_backward.takes(grad, q, k, v, Visibility.of(True, None), (9, 0)), "no left bound"
     bm = kf.sliding_window_block_mask(40, 40, 8)
     assert not gluon_backward.takes(grad, q, k, v, Visibility.of(False, None, block_mask=bm), (9, 0))
     assert not gluon_backward.takes(grad, q, k, v, Visibility.of(True, (64, None), block_mask=bm), (9, 0))
