@@ -131,6 +131,15 @@ def one_and_two_rings(one_desc, a_desc, b_desc, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def invalidate_rings(one_ready, a_ready, b_ready, STAGES: gl.constexpr):
+    """Invalidate the barriers of one_and_two_rings once every TMA load on them has landed."""
+    mbarrier.invalidate(one_ready)
+    for st in gl.static_range(STAGES):
+        mbarrier.invalidate(a_ready.index(st))
+        mbarrier.invalidate(b_ready.index(st))
+
+
+@gluon.jit
 def _key_tile(t, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N: gl.constexpr,
               BLOCK_SPARSE: gl.constexpr, MB_K: gl.constexpr, HAS_BAND: gl.constexpr):
     """The program's t-th key tile: its first key, its partial-tile id (-1: none; -2: the
@@ -291,10 +300,7 @@ def forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE, COUNTS, BLOCKS, PARTIAL,
     acc = warpgroup_mma(p, v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
 
-    mbarrier.invalidate(q_ready)
-    for st in gl.static_range(STAGES):
-        mbarrier.invalidate(k_ready.index(st))
-        mbarrier.invalidate(v_ready.index(st))
+    invalidate_rings(q_ready, k_ready, v_ready, STAGES)
 
     # epilogue: out = acc / l (0 for a row that saw nothing), lse = (m + log2 l) * ln 2 or -inf;
     # O leaves through Q's buffer (every S MMA has completed)

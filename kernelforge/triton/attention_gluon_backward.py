@@ -57,8 +57,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from kernelforge.reference.attention import Visibility
 from kernelforge.triton._launch import launch
 from kernelforge.triton.attention_gluon import (DTYPES, ENABLED, HEAD_DIMS, LOG2E, _band_tiles, _descriptor,
-                                                _issue_tile, _tma_ready, one_and_two_rings, query_tile_program,
-                                                sm90_usage)
+                                                _issue_tile, _tma_ready, invalidate_rings, one_and_two_rings,
+                                                query_tile_program, sm90_usage)
 from kernelforge.triton.attention_visibility import _col_range, _in_band
 
 BLOCK_M = 64  # query rows a step (dK/dV) or a program (dQ): one warpgroup's wgmma height
@@ -156,10 +156,7 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
         _issue_tile(q_desc, q_bufs, q_ready, b, h_n, m_n, slot, nxt < steps)
         _issue_tile(do_desc, do_bufs, do_ready, b, h_n, m_n, slot, nxt < steps)
 
-    mbarrier.invalidate(kv_ready)
-    for st in gl.static_range(STAGES):
-        mbarrier.invalidate(q_ready.index(st))
-        mbarrier.invalidate(do_ready.index(st))
+    invalidate_rings(kv_ready, q_ready, do_ready, STAGES)
     # dK = scale * sum dS^T Q, dV = sum P^T dO, out through K's and V's buffers (every MMA is
     # done); TMA clips the store at Sk
     k.store((dk * scale).to(dtype))
@@ -233,10 +230,7 @@ def dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
         dq, ds_op = warpgroup_mma_wait(0, deps=(dq, ds_op))
         _issue_tile(k_desc, k_bufs, k_ready, b, hk, lo + (j + STAGES) * BLOCK_N, slot, j + STAGES < tiles)
 
-    mbarrier.invalidate(qdo_ready)
-    for st in gl.static_range(STAGES):
-        mbarrier.invalidate(k_ready.index(st))
-        mbarrier.invalidate(v_ready.index(st))
+    invalidate_rings(qdo_ready, k_ready, v_ready, STAGES)
     q.store((dq * scale).to(dtype))  # dQ leaves through Q's buffer (every MMA is done)
     fence_async_shared()
     tma.async_copy_shared_to_global(dq_desc, [b, h, m0, 0], q_buf)

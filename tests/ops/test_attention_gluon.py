@@ -27,32 +27,30 @@ ON_HOPPER = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
 needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU (wgmma)")
 
 
-@pytest.fixture
-def gluon_calls(monkeypatch):
-    """How many times the Gluon forward ran."""
+def _counted(monkeypatch, module, name: str, shape_of: int) -> list:
+    """Replace module.<name> with a wrapper that records the shape of its argument `shape_of`
+    at each call; return the record."""
     calls = []
-    real = gluon.forward
+    real = getattr(module, name)
 
     def counted(*args, **kwargs):
-        calls.append(args[0].shape)
+        calls.append(args[shape_of].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(gluon, "forward", counted)
+    monkeypatch.setattr(module, name, counted)
     return calls
+
+
+@pytest.fixture
+def gluon_calls(monkeypatch):
+    """The query shapes the Gluon forward ran on."""
+    return _counted(monkeypatch, gluon, "forward", 0)
 
 
 @pytest.fixture
 def gluon_backward_calls(monkeypatch):
-    """How many times the Gluon backward ran."""
-    calls = []
-    real = gluon_backward.backward
-
-    def counted(*args, **kwargs):
-        calls.append(args[1].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(gluon_backward, "backward", counted)
-    return calls
+    """The query shapes the Gluon backward ran on."""
+    return _counted(monkeypatch, gluon_backward, "backward", 1)
 
 
 # (B, H, Hkv, Sq, Sk, D, causal, window): the band at odd lengths and its corners
