@@ -1,6 +1,7 @@
 """Experiment: the Gluon backward (kernelforge/triton/attention_gluon_backward.py) at other tile
 shapes and pipeline depths, against the Triton backward, on a sliding window, causal and full
-attention.
+attention, and on the harness's BlockMasks (the window as a mask, local + global, dilated: the
+block-sparse kernels, off in the library until this has run on a GPU).
 
     python3 benchmarks/gluon_backward_experiment.py                 # GPU: agreement and timing
     python3 benchmarks/gluon_backward_experiment.py --compile-only  # CPU: sm_90a build report
@@ -67,12 +68,28 @@ def _timed(label, fn, check):
         return float("inf")
 
 
+def _cases(S: int, window: int):
+    """name -> (Visibility, the ENABLED switch that sends it to the Gluon backward)."""
+    import kernelforge as kf
+    from kernelforge.bench.attention_suites import BLOCK_PATTERNS
+
+    cases = {"window": (Visibility.of(True, (window, None)), "backward"),
+             "causal": (Visibility.of(True, None), "backward"), "full": (Visibility.of(False, None), "backward"),
+             "block-window": (Visibility.of(False, None, block_mask=kf.sliding_window_block_mask(
+                 S, S, window, device="cuda")), "block_mask_backward")}
+    for name, fn in BLOCK_PATTERNS.items():
+        cases[f"block-{name}"] = (Visibility.of(False, None, block_mask=kf.BlockMask.from_mask_function(
+            fn, S, S, device="cuda")), "block_mask_backward")
+    return cases
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--s", type=int, default=8192)
     ap.add_argument("--window", type=int, default=512)
-    ap.add_argument("--bands", default="window,causal,full", help="which of window, causal, full to run")
+    ap.add_argument("--cases", default="window,causal,full,block-window,block-local_global,block-dilated",
+                    help="which of window, causal, full, block-window, block-local_global, block-dilated to run")
     args = ap.parse_args()
     if args.compile_only:
         for d in (64, 128):
@@ -82,29 +99,32 @@ def main():
 
     from kernelforge.triton import attention as tri
 
-    bands = {"window": (True, (args.window, None)), "causal": (True, None), "full": (False, None)}
     S = args.s
+    cases = _cases(S, args.window)
     for D in (128, 64):
         B, H = 16384 // S, 16
         q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         do = torch.randn_like(q)
         scale = D ** -0.5
-        for band in args.bands.split(","):
-            vis = Visibility.of(*bands[band])
+        for name in args.cases.split(","):
+            vis, switch = cases[name]
             out, lse = tri.flash_forward(q, k, v, scale, vis)
             delta = (out.float() * do.float()).sum(-1)
-            glb.ENABLED["backward"] = False  # the Triton backward as the yardstick
+            glb.ENABLED[switch] = False  # the Triton backward as the yardstick
             ref_dq, ref_dk, ref_dv = tri.flash_backward(do, q, k, v, out, lse, scale, vis)
             t_tri = do_bench(lambda: tri.flash_backward(do, q, k, v, out, lse, scale, vis), rep=200)
-            glb.ENABLED["backward"] = True
-            t_lib = do_bench(lambda: tri.flash_backward(do, q, k, v, out, lse, scale, vis), rep=200)
-            print(f"d{D} {band}: triton backward (delta, dK/dV, dQ) {t_tri * 1e3:.1f} us; the library's "
-                  f"{t_lib * 1e3:.1f} us", flush=True)
+            glb.ENABLED[switch] = True
+            t_lib = _timed("the library's backward", lambda: tri.flash_backward(do, q, k, v, out, lse, scale, vis),
+                           lambda r: (("dq", r[0], ref_dq), ("dk", r[1], ref_dk), ("dv", r[2], ref_dv)))
+            print(f"d{D} {name}: triton backward (delta, dK/dV, dQ) {t_tri * 1e3:.1f} us; the library's with the "
+                  f"Gluon kernels {t_lib * 1e3:.1f} us", flush=True)
+            masked = vis.block_mask is not None  # mask tiles of 64 take the library's tiles only
             best_dkdv = min(_timed(f"dK/dV {c}", lambda c=c: dkdv(q, k, v, do, lse, delta, scale, vis, c),
-                                   lambda r: (("dk", r[0], ref_dk), ("dv", r[1], ref_dv))) for c in DKDV_CONFIGS)
+                                   lambda r: (("dk", r[0], ref_dk), ("dv", r[1], ref_dv)))
+                            for c in (DKDV_CONFIGS[:1] if masked else DKDV_CONFIGS))
             best_dq = min(_timed(f"dQ {c}", lambda c=c: dq(q, k, v, do, lse, delta, scale, vis, c),
-                                 lambda r: (("dq", r, ref_dq),)) for c in DQ_CONFIGS)
-            print(f"d{D} {band}: best gluon dK/dV {best_dkdv * 1e3:.1f} + dQ {best_dq * 1e3:.1f} us against "
+                                 lambda r: (("dq", r, ref_dq),)) for c in (DQ_CONFIGS[:1] if masked else DQ_CONFIGS))
+            print(f"d{D} {name}: best gluon dK/dV {best_dkdv * 1e3:.1f} + dQ {best_dq * 1e3:.1f} us against "
                   f"triton {t_tri * 1e3:.1f} us", flush=True)
 
 

@@ -37,7 +37,10 @@ inside Sq x Sk: tiles at the tails are partial, so the full loop needs no bounds
   partial_masks (P, block_q, block_k) uint8: element bits of partial tile p (rows past Sq
       and columns past Sk are 0)
   partial_words (P, block_q, ceil(block_k / 64)) int64: the same bits, 64 columns a word (the
-      Gluon forward reads a row of a 64-key tile in one load)
+      Gluon forward and dQ read a row of a 64-key tile in one load)
+  partial_words_t (P, block_k, ceil(block_q / 64)) int64: the transpose's bits, 64 query rows a
+      word for each key (the Gluon dK/dV kernel, whose score tiles run keys down, reads a key's
+      bits over a 64-row query tile in one load)
 """
 from __future__ import annotations
 
@@ -82,6 +85,7 @@ class BlockMask:
     kv_full: torch.Tensor
     q_full: torch.Tensor
     partial_words: torch.Tensor
+    partial_words_t: torch.Tensor
 
     # --------------------------------------------------------------- construction
     @staticmethod
@@ -93,7 +97,8 @@ class BlockMask:
         q_counts, q_blocks, q_partial, q_full = _lists(listed.transpose(-1, -2), kinds.transpose(-1, -2))
         partial_masks = partial_masks.to(torch.uint8).contiguous()
         return BlockMask(q_len, kv_len, block_q, block_k, kv_counts, kv_blocks, kv_partial,
-                         q_counts, q_blocks, q_partial, partial_masks, kv_full, q_full, _packed_words(partial_masks))
+                         q_counts, q_blocks, q_partial, partial_masks, kv_full, q_full, _packed_words(partial_masks),
+                         _packed_words(partial_masks.transpose(1, 2).contiguous()))
 
     @staticmethod
     def from_dense(mask: torch.Tensor, block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK) -> "BlockMask":
@@ -209,8 +214,8 @@ class BlockMask:
 def _packed_words(partial_masks: torch.Tensor) -> torch.Tensor:
     """The partial tiles' bits packed 64 columns to a word, for kernels that read a tile row's
     bits in one load: bit c of word w holds column 64 w + c (a last word is zero-padded).
-    (P, block_q, ceil(block_k / 64)) int64, 1/8 of partial_masks' bytes. Packed a byte at a
-    time, then read as little-endian words (the byte order of every platform torch runs on)."""
+    (P, rows, ceil(columns / 64)) int64, 1/8 of the bits' bytes. Packed a byte at a time, then
+    read as little-endian words (the byte order of every platform torch runs on)."""
     P, bq, bk = partial_masks.shape
     words = -(-bk // 64)
     bits = torch.nn.functional.pad(partial_masks, (0, words * 64 - bk)).view(P, bq, words * 8, 8)
@@ -219,7 +224,7 @@ def _packed_words(partial_masks: torch.Tensor) -> torch.Tensor:
 
 
 _TENSOR_FIELDS = ("kv_counts", "kv_blocks", "kv_partial", "q_counts", "q_blocks", "q_partial", "partial_masks",
-                  "kv_full", "q_full", "partial_words")
+                  "kv_full", "q_full", "partial_words", "partial_words_t")
 
 
 def _lists(listed: torch.Tensor, kinds: torch.Tensor):

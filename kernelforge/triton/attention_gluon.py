@@ -23,7 +23,7 @@ zeros past the sequence ends and clip the store there.
 Which key tiles a query tile walks: a band's run of tiles from its first, or a BlockMask's
 list for the query tile's row of mask tiles (full tiles first; each mask tile, a multiple of
 64 on each side, cut into 64 x 64 kernel tiles). The same pipeline runs either way; only the
-key index of tile j and its masking differ (_key_tile).
+key index of tile j and its masking differ (_walk_tile).
 
 Work per (batch, head): FLOPs 4 * Sq * (keys walked) * D, bytes Q, O once and K, V once per
 query tile (from L2: neighbouring tiles share most of their keys). Scores are in log2 units
@@ -73,8 +73,9 @@ NUM_WARPS = 4
 LOG2E = 1.4426950408889634
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 # Off switches for experiments and tests (benchmarks/gluon_window_experiment.py times both forwards);
-# "backward" is attention_gluon_backward.py's.
-ENABLED = {"window": True, "block_mask": True, "backward": True}
+# "backward" and "block_mask_backward" are attention_gluon_backward.py's. The block-sparse
+# backward is off until it has run on a GPU (its kernels compile for sm_90a; see that module).
+ENABLED = {"window": True, "block_mask": True, "backward": True, "block_mask_backward": False}
 
 
 @gluon.jit
@@ -88,6 +89,29 @@ def _band_tiles(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M: gl.constexpr, BLOCK_N: gl
     lo = gl.minimum(lo, gl.maximum(Sk - 1, 0) // BLOCK_N * BLOCK_N)  # keep the (masked) first tile in range
     tiles = gl.maximum(gl.cdiv(hi - lo, BLOCK_N), 1)
     return lo, tiles, full_lo, full_hi
+
+
+@gluon.jit
+def key_walk(b, h, m0, COUNTS, scb, sch, sbb, sbh, NUM_MB_K, Sq, Sk, off, LEFT, RIGHT, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_SPARSE: gl.constexpr,
+             MB_Q: gl.constexpr, MB_K: gl.constexpr):
+    """The key tiles query rows [m0, m0 + BLOCK_M) of (b, h) walk (the forward's and dQ's):
+    (lo, tile count, full_lo, full_hi) of a band (_band_tiles), or the BlockMask's list for the
+    mask row holding them (its entry count and base; a tile count of at least one: nothing
+    listed walks one stand-in tile, all hidden)."""
+    if BLOCK_SPARSE:
+        lo = 0
+        full_lo = 0
+        full_hi = 0
+        count = gl.load(COUNTS + b * scb + h * sch + m0 // MB_Q)
+        list_base = b * sbb + h * sbh + (m0 // MB_Q) * NUM_MB_K
+        tiles = gl.maximum(count * (MB_K // BLOCK_N), 1)
+    else:
+        lo, tiles, full_lo, full_hi = _band_tiles(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                                  HAS_RIGHT)
+        count = 0
+        list_base = 0
+    return lo, tiles, full_lo, full_hi, count, list_base
 
 
 @gluon.jit
@@ -140,45 +164,69 @@ def invalidate_rings(one_ready, a_ready, b_ready, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _key_tile(t, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N: gl.constexpr,
-              BLOCK_SPARSE: gl.constexpr, MB_K: gl.constexpr, HAS_BAND: gl.constexpr):
-    """The program's t-th key tile: its first key, its partial-tile id (-1: none; -2: the
-    stand-in tile of a query row with nothing listed, every pair hidden) and whether it needs
-    per-element masking. A band's tiles run from `lo`; a BlockMask's come from its list
-    (full tiles first), each mask tile cut into MB_K / BLOCK_N kernel tiles. Past the list the
-    id is -2 too: such tiles are only ever prefetched under a false predicate."""
+def _walk_tile(t, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK: gl.constexpr,
+               BLOCK_SPARSE: gl.constexpr, MB: gl.constexpr, HAS_BAND: gl.constexpr):
+    """The t-th tile of a program's walk (key tiles of a query tile in the forward and dQ,
+    query tiles of a key tile in dK/dV): its first index, its partial-tile id (-1: none; -2:
+    the stand-in tile of a query row with nothing listed, every pair hidden) and whether it
+    needs per-element masking. A band's tiles run from `lo`; a BlockMask's come from its list
+    (full tiles first), each mask tile (MB wide along the walk) cut into MB / BLOCK kernel
+    tiles. Past the list the id is -2 too: such tiles are only ever prefetched under a false
+    predicate."""
     if BLOCK_SPARSE:
-        SUB: gl.constexpr = MB_K // BLOCK_N
+        SUB: gl.constexpr = MB // BLOCK
         entry = t // SUB
         listed = entry < count
-        kb = gl.load(BLOCKS + list_base + entry, mask=listed, other=0)
+        mb = gl.load(BLOCKS + list_base + entry, mask=listed, other=0)
         partial_id = gl.load(PARTIAL + list_base + entry, mask=listed, other=-2)
-        n0 = kb * MB_K + (t % SUB) * BLOCK_N
+        start = mb * MB + (t % SUB) * BLOCK
         if HAS_BAND:  # a band on top of the block mask: every tile checks it
             edge = partial_id > -3
         else:  # full tiles lie inside Sq x Sk: only partial ones (tails included) need checks
             edge = partial_id != -1
     else:
-        n0 = lo + t * BLOCK_N
+        start = lo + t * BLOCK
         partial_id = -1
-        edge = (n0 < full_lo) | (n0 >= full_hi)
-    return n0, partial_id, edge
+        edge = (start < full_lo) | (start >= full_hi)
+    return start, partial_id, edge
 
 
 @gluon.jit
-def _tile_words(WORDS, partial_id, m0, n0, tile_rows, BLOCK_SPARSE: gl.constexpr, MB_Q: gl.constexpr,
-                MB_K: gl.constexpr):
-    """A partial tile's bits, one 64-bit word a row (BlockMask.partial_words: the kernel tile
-    lies inside one mask tile, 64 keys wide, so each row is one word and every index is in
-    bounds), loaded only for a partial tile: two loads a thread. Issued before the wait for
-    the tile's scores, so their latency hides under the MMAs."""
+def _tile_words(WORDS, partial_id, r0, c0, tile_rows, BLOCK_SPARSE: gl.constexpr, MB_R: gl.constexpr,
+                MB_C: gl.constexpr):
+    """A partial tile's bits, one 64-bit word a tile row: BlockMask.partial_words for tiles with
+    query rows [r0, ...) and keys [c0, c0 + 64) (the forward's, dQ's), partial_words_t for tiles
+    with key rows and query columns (dK/dV's); MB_R x MB_C is the mask tile in that orientation.
+    The kernel tile lies inside one mask tile, 64 columns wide, so each row is one word and every
+    index is in bounds. Loaded only for a partial tile, two loads a thread, issued before the
+    wait for the tile's scores so their latency hides under the MMAs."""
     if BLOCK_SPARSE:
-        WORDS_A_ROW: gl.constexpr = MB_K // 64
-        base = (WORDS + partial_id.to(gl.int64) * (MB_Q * WORDS_A_ROW) + (m0 % MB_Q) * WORDS_A_ROW
-                + (n0 % MB_K) // 64)
+        WORDS_A_ROW: gl.constexpr = MB_C // 64
+        base = (WORDS + partial_id.to(gl.int64) * (MB_R * WORDS_A_ROW) + (r0 % MB_R) * WORDS_A_ROW
+                + (c0 % MB_C) // 64)
         return gl.load(base + tile_rows * WORDS_A_ROW, mask=partial_id >= 0, other=-1)
     else:
         return 0
+
+
+@gluon.jit
+def _tile_visible(i, j, words, bit, partial_id, Sq, Sk, off, LEFT, RIGHT, HAS_LEFT: gl.constexpr,
+                  HAS_RIGHT: gl.constexpr, BLOCK_SPARSE: gl.constexpr, HALVES: gl.constexpr):
+    """Which (query i, key j) pairs of an edge tile are seen (broadcastable index tiles, either
+    orientation): the band and the tails, and a partial tile's bits (bit `bit` of the tile row's
+    word, `words` one a tile row; none of the stand-in tile's pairs). HALVES tests the bit in
+    the word's 32-bit halves: dK/dV at d128, whose registers are full, spills 280 bytes on the
+    64-bit shifts and 16 on the halves (compiled for sm_90a); the forward keeps the 64-bit
+    shift it was measured with."""
+    ok = _in_band(i, j, Sq, Sk, off, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT)
+    if BLOCK_SPARSE:
+        if HALVES:
+            half = gl.where(bit < 32, words.to(gl.int32)[:, None], (words >> 32).to(gl.int32)[:, None])
+            seen = (half >> (bit % 32)) & 1
+        else:
+            seen = (words[:, None] >> bit.to(gl.int64)) & 1
+        ok = ok & (seen != 0) & (partial_id != -2)
+    return ok
 
 
 @gluon.jit
@@ -187,10 +235,9 @@ def _tile_softmax(s, m_i, l_i, n0, partial_id, edge, words, rows, cols, Sq, Sk, 
     """Online softmax of one raw score tile: the masks of an edge tile (band, tails, a
     partial tile's bits), the new running max (log2 units) and sum, P, and
     alpha = exp2(m_old - m_new) for the accumulator."""
-    if edge:
-        ok = _in_band(rows[:, None], n0 + cols[None, :], Sq, Sk, off, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT)
-        if BLOCK_SPARSE:  # bit c of a row's word: key n0 + c
-            ok = ok & (((words[:, None] >> cols[None, :].to(gl.int64)) & 1) != 0) & (partial_id != -2)
+    if edge:  # bit c of a row's word: key n0 + c
+        ok = _tile_visible(rows[:, None], n0 + cols[None, :], words, cols[None, :], partial_id, Sq, Sk, off, LEFT,
+                           RIGHT, HAS_LEFT, HAS_RIGHT, BLOCK_SPARSE, False)
         s = gl.where(ok, s, float("-inf"))
     # qk_scale > 0: max(s) * scale is the max of the scaled scores; s * scale - m is one FMA
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
@@ -213,18 +260,9 @@ def forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE, COUNTS, BLOCKS, PARTIAL,
     dtype: gl.constexpr = q_desc.dtype
 
     pid_bh, b, h, hk, m0 = query_tile_program(H, GROUP, BLOCK_M)
-    if BLOCK_SPARSE:  # the mask's row of query tiles holding rows [m0, m0 + BLOCK_M)
-        lo = 0
-        full_lo = 0
-        full_hi = 0
-        count = gl.load(COUNTS + b * scb + h * sch + m0 // MB_Q)
-        list_base = b * sbb + h * sbh + (m0 // MB_Q) * NUM_MB_K
-        tiles = gl.maximum(count * (MB_K // BLOCK_N), 1)  # nothing listed: one stand-in tile, all hidden
-    else:
-        lo, tiles, full_lo, full_hi = _band_tiles(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                                  HAS_RIGHT)
-        count = 0
-        list_base = 0
+    lo, tiles, full_lo, full_hi, count, list_base = key_walk(b, h, m0, COUNTS, scb, sch, sbb, sbh, NUM_MB_K, Sq, Sk,
+                                                             off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                                                             BLOCK_SPARSE, MB_Q, MB_K)
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -239,7 +277,7 @@ def forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE, COUNTS, BLOCKS, PARTIAL,
     mbarrier.expect(q_ready, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], q_ready, q_buf)
     for st in gl.static_range(STAGES):
-        n0, partial_id, edge = _key_tile(st, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
+        n0, partial_id, edge = _walk_tile(st, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
                                          BLOCK_SPARSE, MB_K, HAS_BAND)
         _issue_tile(k_desc, k_bufs, k_ready, b, hk, n0, st, st < tiles)
         _issue_tile(v_desc, v_bufs, v_ready, b, hk, n0, st, st < tiles)
@@ -256,12 +294,12 @@ def forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE, COUNTS, BLOCKS, PARTIAL,
     s = warpgroup_mma(q, k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                       use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
-    n_ahead, _, _ = _key_tile(STAGES, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
+    n_ahead, _, _ = _walk_tile(STAGES, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
                               BLOCK_SPARSE, MB_K, HAS_BAND)
     _issue_tile(k_desc, k_bufs, k_ready, b, hk, n_ahead, 0, STAGES < tiles)  # K slot 0 is free
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, s_rows)
     l_i = gl.zeros([BLOCK_M], gl.float32, s_rows)
-    n0, partial_id, edge = _key_tile(0, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
+    n0, partial_id, edge = _walk_tile(0, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
                                      BLOCK_SPARSE, MB_K, HAS_BAND)
     words = _tile_words(WORDS, partial_id, m0, n0, tile_rows, BLOCK_SPARSE, MB_Q, MB_K)
     p, m_i, l_i, alpha = _tile_softmax(s, m_i, l_i, n0, partial_id, edge, words, rows, cols, Sq, Sk, off, LEFT,
@@ -275,21 +313,21 @@ def forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE, COUNTS, BLOCKS, PARTIAL,
         mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
         s = warpgroup_mma(q, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                           use_acc=False, is_async=True)
-        n0, partial_id, edge = _key_tile(j, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
+        n0, partial_id, edge = _walk_tile(j, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
                                          BLOCK_SPARSE, MB_K, HAS_BAND)
         words = _tile_words(WORDS, partial_id, m0, n0, tile_rows, BLOCK_SPARSE, MB_Q, MB_K)
         mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
         acc = warpgroup_mma(p, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))
         # S_j is done with K slot `stage`: refill it with K tile j + STAGES under the softmax
-        n_ahead, _, _ = _key_tile(j + STAGES, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
+        n_ahead, _, _ = _walk_tile(j + STAGES, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
                                   BLOCK_SPARSE, MB_K, HAS_BAND)
         _issue_tile(k_desc, k_bufs, k_ready, b, hk, n_ahead, stage, j + STAGES < tiles)
         p_next, m_i, l_i, alpha = _tile_softmax(s, m_i, l_i, n0, partial_id, edge, words, rows, cols, Sq, Sk, off,
                                                 LEFT, RIGHT, qk_scale, HAS_LEFT, HAS_RIGHT, BLOCK_SPARSE)
         acc, p = warpgroup_mma_wait(0, deps=(acc, p))
         # P_{j-1} V_{j-1} is done with V slot `prev`: refill it with V tile j - 1 + STAGES
-        n_ahead, _, _ = _key_tile(j - 1 + STAGES, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
+        n_ahead, _, _ = _walk_tile(j - 1 + STAGES, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
                                   BLOCK_SPARSE, MB_K, HAS_BAND)
         _issue_tile(v_desc, v_bufs, v_ready, b, hk, n_ahead, prev, j - 1 + STAGES < tiles)
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
@@ -352,20 +390,29 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
                             _shared_layout(rows, t.shape[-1], t.dtype))
 
 
+def list_arguments(bm, per: str, stand_in: torch.Tensor):
+    """A BlockMask's lists for a kernel walking key tiles per query tile (per="kv": the forward,
+    dQ) or query tiles per key tile (per="q": dK/dV): (counts, blocks, partial ids, partial
+    words in the walk's orientation, the counts' and the blocks' (batch, head) strides, 0 where
+    broadcast, row length), and the mask tile (block_q, block_k). Without a BlockMask:
+    stand-ins the band's trace never reads, and the kernel tile."""
+    if bm is None:
+        return (stand_in, stand_in, stand_in, stand_in, 0, 0, 0, 0, 0), BLOCK_M, BLOCK_N
+    counts, blocks, partial, words = ((bm.kv_counts, bm.kv_blocks, bm.kv_partial, bm.partial_words) if per == "kv"
+                                      else (bm.q_counts, bm.q_blocks, bm.q_partial, bm.partial_words_t))
+    lists = (counts, blocks, partial, words,
+             *(0 if counts.shape[d] == 1 else counts.stride(d) for d in (0, 1)),
+             *(0 if blocks.shape[d] == 1 else blocks.stride(d) for d in (0, 1)), blocks.shape[-1])
+    return lists, bm.block_q, bm.block_k
+
+
 def _arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                scale: float, vis: Visibility):
     """forward_kernel's arguments and constexprs (the BlockMask's per-query-tile lists, or
     stand-ins the band's trace never reads)."""
     H, Sq, Hkv, Sk = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
     bm = vis.block_mask
-    if bm is None:
-        lists, mb_q, mb_k = (lse, lse, lse, lse, 0, 0, 0, 0, 0), BLOCK_M, BLOCK_N
-    else:
-        counts, blocks = bm.kv_counts, bm.kv_blocks
-        lists = (counts, blocks, bm.kv_partial, bm.partial_words,
-                 *(0 if counts.shape[d] == 1 else counts.stride(d) for d in (0, 1)),
-                 *(0 if blocks.shape[d] == 1 else blocks.stride(d) for d in (0, 1)), blocks.shape[-1])
-        mb_q, mb_k = bm.block_q, bm.block_k
+    lists, mb_q, mb_k = list_arguments(bm, "kv", lse)
     args = (_descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(out, BLOCK_M),
             lse, *lists, H, H // Hkv, Sq, Sk, Sk - Sq, vis.left if vis.left is not None else 0,
             vis.right if vis.right is not None else 0, scale * LOG2E)

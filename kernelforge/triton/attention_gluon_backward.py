@@ -1,5 +1,5 @@
-"""Hopper flash-attention backward in Gluon, dK/dV and dQ, for a band of keys: a sliding window,
-causal attention, or every key (any Visibility without a BlockMask or an attn_mask).
+"""Hopper flash-attention backward in Gluon, dK/dV and dQ, for a band of keys (a sliding window,
+causal attention, or every key) and, once switched on, for a BlockMask; never an attn_mask.
 
 Why next to the Triton backward (attention_kernels.py): on a causal window of 512 (2 x 16 x
 8192, d128, bf16, H200) the Triton backward took 0.65 ms against the Gluon forward's 0.18,
@@ -22,6 +22,15 @@ dQ (dq_kernel): one warpgroup a 64-row query tile; it walks its keys as the forw
 issue S = Q K_j^T and dP = dO V_j^T; wait S, P = exp2(S * scale - lse); wait dP, refill the
 V slot; dS = P (dP - delta); issue dQ += dS K_j; wait; refill the K slot.
 
+A BlockMask (ENABLED["block_mask_backward"], off until it has run on a GPU) changes only
+which tiles a program walks and their masking, as in the forward (attention_gluon.py): dQ
+walks its query tile's list of key tiles (a stand-in tile, all hidden, where nothing is
+listed: dQ = 0); dK/dV walks its key tile's list of query tiles (BlockMask.q_*) for each q
+head of the group, so the lists must not differ between those heads. Full tiles take no
+per-element work; partial ones test their bits, one 64-bit word a tile row loaded before the
+wait for the scores (partial_words for dQ, partial_words_t for dK/dV, whose score tiles run
+keys down), in 32-bit halves in dK/dV (_tile_visible says why).
+
 Work per tile pair of 64 x 64: dK/dV 4 MMAs and dQ 3, each 2 * 64 * 64 * D FLOPs (S and dP
 are computed twice: a fused kernel would add dQ by atomics instead). Bytes: K, V, dK, dV once
 per key tile; Q, dO, lse, delta once per key tile that sees them (from L2: neighbouring key
@@ -42,8 +51,8 @@ accumulating MMAs (window d128: dK/dV 502 us, dQ 261: the wait for the older MMA
 more than it hides).
 
 Only sm_90 has wgmma; kernelforge/triton/attention.py sends a backward here when `takes` says
-so and keeps the Triton backward for everything else (BlockMasks, attn_mask, other GPUs, fp32,
-other head dims).
+so and keeps the Triton backward for everything else (attn_mask, BlockMasks while switched off
+or with tiles under 64, other GPUs, fp32, other head dims).
 """
 from __future__ import annotations
 
@@ -56,10 +65,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from kernelforge.reference.attention import Visibility
 from kernelforge.triton._launch import launch
-from kernelforge.triton.attention_gluon import (DTYPES, ENABLED, HEAD_DIMS, LOG2E, _band_tiles, _descriptor,
-                                                _issue_tile, _tma_ready, invalidate_rings, one_and_two_rings,
-                                                query_tile_program, sm90_usage)
-from kernelforge.triton.attention_visibility import _col_range, _in_band
+from kernelforge.triton.attention_gluon import (DTYPES, ENABLED, HEAD_DIMS, LOG2E, _descriptor, _issue_tile,
+                                                _tile_visible, _tile_words, _tma_ready, _walk_tile, invalidate_rings,
+                                                key_walk, list_arguments, one_and_two_rings, query_tile_program,
+                                                sm90_usage)
+from kernelforge.triton.attention_visibility import _col_range
 
 BLOCK_M = 64  # query rows a step (dK/dV) or a program (dQ): one warpgroup's wgmma height
 BLOCK_N = 64  # keys a program (dK/dV) or a step (dQ)
@@ -77,12 +87,25 @@ def _lse2(LSE, row_base, rows, Sq):
 
 
 @gluon.jit
+def _query_step(t, per_head, hk, GROUP, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL,
+                BLOCK_M: gl.constexpr, BLOCK_SPARSE: gl.constexpr, MB_Q: gl.constexpr, HAS_BAND: gl.constexpr):
+    """Step t of a dK/dV program's walk, the query tiles of each q head of its group in turn:
+    (q head, first row, partial-tile id, whether it needs per-element masking)."""
+    m0, partial_id, edge = _walk_tile(t % per_head, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL,
+                                      BLOCK_M, BLOCK_SPARSE, MB_Q, HAS_BAND)
+    return hk * GROUP + t // per_head, m0, partial_id, edge
+
+
+@gluon.jit
 def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
+                COUNTS, BLOCKS, PARTIAL, WORDS, scb, sch, sbb, sbh, NUM_MB_Q,
                 H, GROUP, Sq, Sk, off, LEFT, RIGHT, qk_scale, scale,
-                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_SPARSE: gl.constexpr, MB_Q: gl.constexpr,
+                MB_K: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    HAS_BAND: gl.constexpr = HAS_LEFT or HAS_RIGHT
     dtype: gl.constexpr = q_desc.dtype
 
     HKV = H // GROUP
@@ -90,8 +113,19 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
     b = pid_bh // HKV
     hk = pid_bh % HKV
     n0 = gl.program_id(0) * BLOCK_N
-    lo, full_lo, full_hi, hi = _col_range(n0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    per_head = gl.cdiv(hi - lo, BLOCK_M)
+    if BLOCK_SPARSE:  # the mask's column of key tiles holding keys [n0, n0 + BLOCK_N); one list
+        # serves every q head of the group (`takes`: the mask broadcasts over heads, or GROUP is 1)
+        lo = 0
+        full_lo = 0
+        full_hi = 0
+        count = gl.load(COUNTS + b * scb + hk * GROUP * sch + n0 // MB_K)
+        list_base = b * sbb + hk * GROUP * sbh + (n0 // MB_K) * NUM_MB_Q
+        per_head = count * (MB_Q // BLOCK_M)
+    else:
+        lo, full_lo, full_hi, hi = _col_range(n0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        per_head = gl.cdiv(hi - lo, BLOCK_M)
+        count = 0
+        list_base = 0
     steps = per_head * GROUP  # 0 for a key tile no row sees: dK = dV = 0
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -107,14 +141,15 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
     tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_ready, k_buf)
     tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_ready, v_buf)
     for st in gl.static_range(STAGES):
-        h_st = hk * GROUP + st // gl.maximum(per_head, 1)
-        m_st = lo + (st % gl.maximum(per_head, 1)) * BLOCK_M
+        h_st, m_st, _, _ = _query_step(st, gl.maximum(per_head, 1), hk, GROUP, lo, full_lo, full_hi, list_base,
+                                       count, BLOCKS, PARTIAL, BLOCK_M, BLOCK_SPARSE, MB_Q, HAS_BAND)
         _issue_tile(q_desc, q_bufs, q_ready, b, h_st, m_st, st, st < steps)
         _issue_tile(do_desc, do_bufs, do_ready, b, h_st, m_st, st, st < steps)
 
     k = k_buf.reshape([BLOCK_N, HEAD_DIM])
     v = v_buf.reshape([BLOCK_N, HEAD_DIM])
-    keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    key_bits = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    keys = n0 + key_bits
     cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
@@ -124,8 +159,8 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
     for t in range(steps):
         slot = t % STAGES
         phase = (t // STAGES) & 1
-        h = hk * GROUP + t // per_head
-        m0 = lo + (t % per_head) * BLOCK_M
+        h, m0, partial_id, edge = _query_step(t, per_head, hk, GROUP, lo, full_lo, full_hi, list_base, count,
+                                              BLOCKS, PARTIAL, BLOCK_M, BLOCK_SPARSE, MB_Q, HAS_BAND)
         q_i = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
         do_i = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
         mbarrier.wait(q_ready.index(slot), phase)
@@ -133,11 +168,14 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
         mbarrier.wait(do_ready.index(slot), phase)
         dpT = warpgroup_mma(v, do_i.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         rows = m0 + cols
+        # a word a key row (two loads a thread), issued before the wait for S^T
+        words = _tile_words(WORDS, partial_id, n0, m0, key_bits, BLOCK_SPARSE, MB_K, MB_Q)
         row_base = (b * H + h).to(gl.int64) * Sq
         lse2 = _lse2(LSE, row_base, rows, Sq)
         sT = warpgroup_mma_wait(1, deps=(sT,))
-        if (m0 < full_lo) | (m0 >= full_hi):
-            ok = _in_band(rows[None, :], keys[:, None], Sq, Sk, off, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT)
+        if edge:
+            ok = _tile_visible(rows[None, :], keys[:, None], words, cols[None, :], partial_id, Sq, Sk, off, LEFT, RIGHT,
+                               HAS_LEFT, HAS_RIGHT, BLOCK_SPARSE, True)
             sT = gl.where(ok, sT, float("-inf"))
         pT = gl.exp2(sT * qk_scale - lse2[None, :])
         pT_op = gl.convert_layout(pT.to(dtype), op_layout)
@@ -151,8 +189,8 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
         dv, dk, pT_op, dsT_op = warpgroup_mma_wait(0, deps=(dv, dk, pT_op, dsT_op))
         # slot `slot` is free: fetch step t + STAGES into it
         nxt = t + STAGES
-        h_n = hk * GROUP + nxt // per_head
-        m_n = lo + (nxt % per_head) * BLOCK_M
+        h_n, m_n, _, _ = _query_step(nxt, per_head, hk, GROUP, lo, full_lo, full_hi, list_base, count, BLOCKS,
+                                     PARTIAL, BLOCK_M, BLOCK_SPARSE, MB_Q, HAS_BAND)
         _issue_tile(q_desc, q_bufs, q_ready, b, h_n, m_n, slot, nxt < steps)
         _issue_tile(do_desc, do_bufs, do_ready, b, h_n, m_n, slot, nxt < steps)
 
@@ -169,15 +207,20 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
 
 @gluon.jit
 def dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
+              COUNTS, BLOCKS, PARTIAL, WORDS, scb, sch, sbb, sbh, NUM_MB_K,
               H, GROUP, Sq, Sk, off, LEFT, RIGHT, qk_scale, scale,
-              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_SPARSE: gl.constexpr, MB_Q: gl.constexpr,
+              MB_K: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    HAS_BAND: gl.constexpr = HAS_LEFT or HAS_RIGHT
     dtype: gl.constexpr = q_desc.dtype
 
     pid_bh, b, h, hk, m0 = query_tile_program(H, GROUP, BLOCK_M)
-    lo, tiles, full_lo, full_hi = _band_tiles(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    lo, tiles, full_lo, full_hi, count, list_base = key_walk(b, h, m0, COUNTS, scb, sch, sbb, sbh, NUM_MB_K, Sq, Sk,
+                                                             off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                                                             BLOCK_SPARSE, MB_Q, MB_K)
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -193,8 +236,10 @@ def dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
     tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], qdo_ready, q_buf)
     tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], qdo_ready, do_buf)
     for st in gl.static_range(STAGES):
-        _issue_tile(k_desc, k_bufs, k_ready, b, hk, lo + st * BLOCK_N, st, st < tiles)
-        _issue_tile(v_desc, v_bufs, v_ready, b, hk, lo + st * BLOCK_N, st, st < tiles)
+        n_st, _, _ = _walk_tile(st, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N, BLOCK_SPARSE,
+                                MB_K, HAS_BAND)
+        _issue_tile(k_desc, k_bufs, k_ready, b, hk, n_st, st, st < tiles)
+        _issue_tile(v_desc, v_bufs, v_ready, b, hk, n_st, st, st < tiles)
 
     q = q_buf.reshape([BLOCK_M, HEAD_DIM])
     do = do_buf.reshape([BLOCK_M, HEAD_DIM])
@@ -210,25 +255,30 @@ def dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
     for j in range(tiles):
         slot = j % STAGES
         phase = (j // STAGES) & 1
-        n0 = lo + j * BLOCK_N
+        n0, partial_id, edge = _walk_tile(j, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
+                                          BLOCK_SPARSE, MB_K, HAS_BAND)
         k_j = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
         mbarrier.wait(k_ready.index(slot), phase)
         s = warpgroup_mma(q, k_j.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(slot), phase)
         dp = warpgroup_mma(do, v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                            use_acc=False, is_async=True)
+        words = _tile_words(WORDS, partial_id, m0, n0, rows - m0, BLOCK_SPARSE, MB_Q, MB_K)
         s = warpgroup_mma_wait(1, deps=(s,))
-        if (n0 < full_lo) | (n0 >= full_hi):
-            ok = _in_band(rows[:, None], n0 + cols[None, :], Sq, Sk, off, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT)
+        if edge:
+            ok = _tile_visible(rows[:, None], n0 + cols[None, :], words, cols[None, :], partial_id, Sq, Sk, off, LEFT,
+                               RIGHT, HAS_LEFT, HAS_RIGHT, BLOCK_SPARSE, False)
             s = gl.where(ok, s, float("-inf"))
         p = gl.exp2(s * qk_scale - lse2[:, None])
         dp = warpgroup_mma_wait(0, deps=(dp,))
         # V slot `slot` is free: fetch tile j + STAGES into it
-        _issue_tile(v_desc, v_bufs, v_ready, b, hk, lo + (j + STAGES) * BLOCK_N, slot, j + STAGES < tiles)
+        n_ahead, _, _ = _walk_tile(j + STAGES, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
+                                   BLOCK_SPARSE, MB_K, HAS_BAND)
+        _issue_tile(v_desc, v_bufs, v_ready, b, hk, n_ahead, slot, j + STAGES < tiles)
         ds_op = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), op_layout)
         dq = warpgroup_mma(ds_op, k_j, dq, is_async=True)
         dq, ds_op = warpgroup_mma_wait(0, deps=(dq, ds_op))
-        _issue_tile(k_desc, k_bufs, k_ready, b, hk, lo + (j + STAGES) * BLOCK_N, slot, j + STAGES < tiles)
+        _issue_tile(k_desc, k_bufs, k_ready, b, hk, n_ahead, slot, j + STAGES < tiles)
 
     invalidate_rings(qdo_ready, k_ready, v_ready, STAGES)
     q.store((dq * scale).to(dtype))  # dQ leaves through Q's buffer (every MMA is done)
@@ -240,10 +290,18 @@ def dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
 # ----------------------------------------------------------------------------- launcher
 def takes(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility,
           capability) -> bool:
-    """Whether this backward runs these inputs: an sm_90 GPU; no BlockMask, no attn_mask (any
-    band: a window, causal or none); fp16 / bf16 with head dims 64 or 128; non-empty; q, k, v
-    and the output's gradient TMA-able."""
-    return (ENABLED["backward"] and vis.block_mask is None and vis.attn_mask is None and capability == (9, 0)
+    """Whether this backward runs these inputs: an sm_90 GPU; no attn_mask; any band (a window,
+    causal or none), or a BlockMask (while ENABLED["block_mask_backward"]) of tiles that are
+    multiples of 64 on each side whose lists do not differ between the q heads of a kv head;
+    fp16 / bf16 with head dims 64 or 128; non-empty; q, k, v and the output's gradient
+    TMA-able."""
+    bm = vis.block_mask
+    if bm is not None:  # dK/dV reads one list per kv head: the mask's lists must not differ within a group
+        region = (ENABLED["block_mask_backward"] and bm.block_q % BLOCK_M == 0 and bm.block_k % BLOCK_N == 0
+                  and (bm.q_counts.shape[1] == 1 or k.shape[1] == q.shape[1]))
+    else:
+        region = ENABLED["backward"]
+    return (region and vis.attn_mask is None and capability == (9, 0)
             and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype and grad_out.dtype == q.dtype
             and q.shape[-1] in HEAD_DIMS and v.shape[-1] == q.shape[-1] and q.shape[2] > 0 and k.shape[2] > 0
             and all(_tma_ready(t) for t in (q, k, v, grad_out)))
@@ -251,14 +309,20 @@ def takes(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 def _arguments(kernel_out: tuple, q, k, v, grad_out, lse, delta, scale: float, vis: Visibility,
                block_m: int = BLOCK_M, block_n: int = BLOCK_N, stages: int = STAGES, num_warps: int = NUM_WARPS):
-    """Arguments and constexprs of dkdv_kernel (kernel_out = (dk, dv)) or dq_kernel
-    (kernel_out = (dq,)); the tile shape and pipeline depth are parameters for the experiment."""
+    """Arguments and constexprs of dkdv_kernel (kernel_out = (dk, dv): a BlockMask's lists per
+    key tile) or dq_kernel (kernel_out = (dq,): its lists per query tile); the tile shape and
+    pipeline depth are parameters for the experiment."""
     H, Sq, Hkv, Sk = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
-    outs = tuple(_descriptor(t, block_n if len(kernel_out) == 2 else block_m) for t in kernel_out)
+    dkdv = len(kernel_out) == 2
+    outs = tuple(_descriptor(t, block_n if dkdv else block_m) for t in kernel_out)
+    lists, mb_q, mb_k = list_arguments(vis.block_mask, "q" if dkdv else "kv", lse)
+    if vis.block_mask is None:
+        mb_q, mb_k = block_m, block_n
     args = (_descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
-            *outs, lse, delta, H, H // Hkv, Sq, Sk, Sk - Sq, vis.left if vis.left is not None else 0,
+            *outs, lse, delta, *lists, H, H // Hkv, Sq, Sk, Sk - Sq, vis.left if vis.left is not None else 0,
             vis.right if vis.right is not None else 0, scale * LOG2E, scale)
-    constexprs = dict(HAS_LEFT=vis.left is not None, HAS_RIGHT=vis.right is not None, STAGES=stages,
+    constexprs = dict(HAS_LEFT=vis.left is not None, HAS_RIGHT=vis.right is not None,
+                      BLOCK_SPARSE=vis.block_mask is not None, MB_Q=mb_q, MB_K=mb_k, STAGES=stages,
                       num_warps=num_warps)
     return args, constexprs
 
@@ -276,12 +340,18 @@ def backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     return dq, dk, dv
 
 
-def compile_for_sm90(head_dim: int, dtype: torch.dtype, has_right: bool, kernels=("dkdv", "dq"), **config) -> dict:
-    """sm90_usage of the kernels named ({"dkdv": ..., "dq": ...}) on a window of 512, at the
-    library's tiles or at `config` (block_m, block_n, stages, num_warps)."""
+def compile_for_sm90(head_dim: int, dtype: torch.dtype, has_right: bool, kernels=("dkdv", "dq"),
+                     block_sparse: bool = False, **config) -> dict:
+    """sm90_usage of the kernels named ({"dkdv": ..., "dq": ...}) on a window of 512 (or that
+    window as a BlockMask of 64 x 64 tiles), at the library's tiles or at `config` (block_m,
+    block_n, stages, num_warps)."""
     t = torch.zeros(1, 2, 1000, head_dim, dtype=dtype)
     rows = torch.zeros(1, 2, 1000)
-    vis = Visibility(512, 0 if has_right else None)
+    if block_sparse:
+        from kernelforge.block_mask import sliding_window_block_mask
+        vis = Visibility(None, 0 if has_right else None, block_mask=sliding_window_block_mask(1000, 1000, 512))
+    else:
+        vis = Visibility(512, 0 if has_right else None)
     builds = {"dkdv": (dkdv_kernel, (t, t)), "dq": (dq_kernel, (t,))}
     return {name: sm90_usage(builds[name][0], *_arguments(builds[name][1], t, t, t, t, rows, rows, 0.1, vis, **config))
             for name in kernels}

@@ -199,6 +199,38 @@ def test_block_sparse_matches_oracle(case, dtype, gluon_calls):
     assert gluon_calls, "the Gluon forward did not run"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=[c[0] for c in BLOCK_CASES])
+@pytest.mark.gpu
+@needs_hopper
+def test_block_sparse_gluon_backward_matches_oracle(case, dtype, monkeypatch, gluon_backward_calls):
+    """The block-sparse Gluon backward (off in the library until it has run on a GPU: this
+    turns it on) against the float64 oracle on every pattern, forward through the Gluon forward."""
+    monkeypatch.setitem(gluon.ENABLED, "block_mask_backward", True)
+    _, make, H, Hkv, D, causal, window = case
+    _check_block_sparse("triton", "cuda", dtype, make(), H, Hkv, D, causal=causal, window=window)
+    assert gluon_backward_calls, "the Gluon backward did not run"
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_block_sparse_gluon_backward_agrees_with_the_triton_backward(monkeypatch, gluon_backward_calls):
+    q, k, v = (torch.randn(2, 8, 2048, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    grad = torch.randn(2, 8, 2048, 128, device="cuda", dtype=torch.bfloat16)
+    bm = kf.local_global_block_mask(2048, 2048, 256, 64, device="cuda")
+    with kf.use_backend("triton"):
+        out = kf.flash_attention(q, k, v, block_mask=bm)
+        theirs = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+        assert not gluon_backward_calls
+        monkeypatch.setitem(gluon.ENABLED, "block_mask_backward", True)
+        mine = torch.autograd.grad(out, (q, k, v), grad)
+    assert len(gluon_backward_calls) == 1
+    for name, a, b in zip("qkv", mine, theirs):
+        scale = b.float().abs().max().item()
+        assert (a.float() - b.float()).abs().max().item() <= 2 ** -6 * scale, f"d{name}"
+
+
 @pytest.mark.gpu
 @needs_hopper
 def test_block_sparse_query_tiles_with_nothing_listed(gluon_calls):
@@ -275,6 +307,31 @@ def test_backward_takes_only_what_it_supports():
                                     (9, 0)), "a broadcast gradient: no TMA"
 
 
+def test_backward_takes_block_masks_it_supports(monkeypatch):
+    q, k, v = _inputs()
+    grad = torch.zeros_like(q)
+    bm = kf.sliding_window_block_mask(40, 40, 8)
+    masked = Visibility.of(False, None, block_mask=bm)
+    assert not gluon_backward.takes(grad, q, k, v, masked, (9, 0)), "off until it has run on a GPU"
+    monkeypatch.setitem(gluon.ENABLED, "block_mask_backward", True)
+    assert gluon_backward.takes(grad, q, k, v, masked, (9, 0))
+    assert gluon_backward.takes(grad, q, k, v, Visibility.of(True, (16, None), block_mask=bm), (9, 0)), "with a band"
+    for block_q, block_k in ((128, 64), (64, 128), (128, 128)):
+        bm = kf.sliding_window_block_mask(40, 40, 8, block_q=block_q, block_k=block_k)
+        assert gluon_backward.takes(grad, q, k, v, Visibility.of(False, None, block_mask=bm), (9, 0))
+    for block_q, block_k in ((32, 64), (64, 32)):  # smaller than a kernel tile: the Triton backward
+        bm = kf.sliding_window_block_mask(40, 40, 8, block_q=block_q, block_k=block_k)
+        assert not gluon_backward.takes(grad, q, k, v, Visibility.of(False, None, block_mask=bm), (9, 0))
+    # one list per kv head in dK/dV: a mask that differs by head takes the Triton backward under GQA
+    per_head = kf.BlockMask.from_dense(torch.rand(1, 4, 40, 40) > 0.5)
+    q4 = torch.zeros(1, 4, 40, 128, dtype=torch.bfloat16)
+    kv2 = torch.zeros(1, 2, 40, 128, dtype=torch.bfloat16)
+    vis = Visibility.of(False, None, block_mask=per_head)
+    assert not gluon_backward.takes(torch.zeros_like(q4), q4, kv2, kv2, vis, (9, 0))
+    kv4 = torch.zeros(1, 4, 40, 128, dtype=torch.bfloat16)
+    assert gluon_backward.takes(torch.zeros_like(q4), q4, kv4, kv4, vis, (9, 0)), "one q head a kv head"
+
+
 def test_takes_block_masks_in_whole_kernel_tiles():
     q, k, v = _inputs()
     for block_q, block_k in ((128, 128), (64, 128), (128, 64), (64, 64), (256, 128)):
@@ -307,8 +364,9 @@ def sm90_builds():
             "          for d in (64, 128) for r in (False, True) for s in (False, True)}\n"
             "for d in (64, 128):\n"
             "    for r in (False, True):\n"
-            "        for kernel, usage in b.compile_for_sm90(d, torch.bfloat16, r).items():\n"
-            "            builds[f'{kernel}-{d}-{r}'] = usage\n"
+            "        for s in (False, True):\n"
+            "            for kernel, usage in b.compile_for_sm90(d, torch.bfloat16, r, block_sparse=s).items():\n"
+            "                builds[f'{kernel}-{d}-{r}-{s}'] = usage\n"
             "print(json.dumps(builds))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
@@ -331,12 +389,14 @@ def test_compiles_for_sm90_within_two_programs_an_sm(D, has_right, block_sparse,
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("has_right", [False, True])
 @pytest.mark.parametrize("kernel", ["dkdv", "dq"])
-def test_backward_compiles_for_sm90_within_two_programs_an_sm(D, has_right, kernel, sm90_builds):
+@pytest.mark.parametrize("block_sparse", [False, True], ids=["band", "block-mask"])
+def test_backward_compiles_for_sm90_within_two_programs_an_sm(D, has_right, kernel, block_sparse, sm90_builds):
     """The backward kernels build for sm_90a within two programs an SM. dK/dV at d128 keeps
-    dK, dV (64 registers each) and two score tiles live: ptxas spills a few bytes there (4
-    with a right bound, 20 without); the H200 timings (305 us dK/dV on the causal window of
-    512, S 8192) were taken with those spills; past 32 bytes they would need measuring again."""
-    usage = sm90_builds[f"{kernel}-{D}-{has_right}"]
+    dK, dV (64 registers each) and two score tiles live: ptxas spills a few bytes there (band:
+    4 with a right bound, 20 without; BlockMask: 0 and 28); the H200 timings of the band (305
+    us dK/dV on the causal window of 512, S 8192) were taken with those spills; past 32 bytes
+    they would need measuring again."""
+    usage = sm90_builds[f"{kernel}-{D}-{has_right}-{block_sparse}"]
     assert usage["spills"] <= (32 if (kernel, D) == ("dkdv", 128) else 0), usage
     assert usage["registers"] * 128 * 2 <= 65536, usage
     assert 2 * (usage["shared"] + 1024) <= 228 * 1024, usage

@@ -38,6 +38,13 @@ def test_partial_words_pack_the_partial_bits(block_k):
     bits = (words[:, :, cols // 64] >> (cols % 64)) & 1
     assert torch.equal(bits[..., :block_k].to(torch.uint8), bm.partial_masks)
     assert not bits[..., block_k:].any()
+    # the transpose: 64 query rows a word for each key (block_q = 32: one word, bits 32-63 zero)
+    words_t = bm.partial_words_t
+    assert words_t.shape == (P, block_k, 1) and words_t.dtype == torch.int64
+    rows = torch.arange(64)
+    bits_t = (words_t[:, :, rows // 64] >> (rows % 64)) & 1
+    assert torch.equal(bits_t[..., :32].to(torch.uint8), bm.partial_masks.transpose(1, 2))
+    assert not bits_t[..., 32:].any()
 
 
 def _expected_list(kinds_row):
