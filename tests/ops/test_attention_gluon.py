@@ -87,23 +87,29 @@ def test_strided_bshd_storage(case, gluon_calls, gluon_backward_calls):
     assert gluon_calls and gluon_backward_calls
 
 
+def _gluon_and_triton_gradients(monkeypatch, switch: str, H: int, **attention):
+    """Gradients of one bf16 flash_attention call (2 x H x 2048, d128) from the Gluon backward
+    (gluon.ENABLED[switch] on) and from the Triton one (off), on the same graph; they sum the
+    same bf16 products in fp32 in another order: a few bf16 ulps apart."""
+    q, k, v = (torch.randn(2, H, 2048, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    grad = torch.randn(2, H, 2048, 128, device="cuda", dtype=torch.bfloat16)
+    grads = {}
+    with kf.use_backend("triton"):
+        out = kf.flash_attention(q, k, v, **attention)
+        for on in (True, False):
+            monkeypatch.setitem(gluon.ENABLED, switch, on)
+            grads[on] = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+    for name, a, b in zip("qkv", grads[True], grads[False]):
+        scale = b.float().abs().max().item()
+        assert (a.float() - b.float()).abs().max().item() <= 2 ** -6 * scale, f"d{name}"
+
+
 @pytest.mark.gpu
 @needs_hopper
 def test_backward_agrees_with_the_triton_backward(monkeypatch, gluon_backward_calls):
-    q, k, v = (torch.randn(2, 16, 2048, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
-    grad = torch.randn(2, 16, 2048, 128, device="cuda", dtype=torch.bfloat16)
-    with kf.use_backend("triton"):
-        out = kf.flash_attention(q, k, v, causal=True, window=(512, None))
-        mine = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
-        assert gluon_backward_calls
-        monkeypatch.setitem(gluon.ENABLED, "backward", False)
-        theirs = torch.autograd.grad(out, (q, k, v), grad)
+    _gluon_and_triton_gradients(monkeypatch, "backward", 16, causal=True, window=(512, None))
     assert len(gluon_backward_calls) == 1
-    # the same bf16 products summed in fp32 in another order, rounded to bf16: a few ulps
-    for name, a, b in zip("qkv", mine, theirs):
-        scale = b.float().abs().max().item()
-        assert (a.float() - b.float()).abs().max().item() <= 2 ** -6 * scale, f"d{name}"
 
 
 @pytest.mark.gpu
@@ -215,20 +221,9 @@ def test_block_sparse_gluon_backward_matches_oracle(case, dtype, monkeypatch, gl
 @pytest.mark.gpu
 @needs_hopper
 def test_block_sparse_gluon_backward_agrees_with_the_triton_backward(monkeypatch, gluon_backward_calls):
-    q, k, v = (torch.randn(2, 8, 2048, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
-    grad = torch.randn(2, 8, 2048, 128, device="cuda", dtype=torch.bfloat16)
     bm = kf.local_global_block_mask(2048, 2048, 256, 64, device="cuda")
-    with kf.use_backend("triton"):
-        out = kf.flash_attention(q, k, v, block_mask=bm)
-        theirs = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
-        assert not gluon_backward_calls
-        monkeypatch.setitem(gluon.ENABLED, "block_mask_backward", True)
-        mine = torch.autograd.grad(out, (q, k, v), grad)
+    _gluon_and_triton_gradients(monkeypatch, "block_mask_backward", 8, block_mask=bm)
     assert len(gluon_backward_calls) == 1
-    for name, a, b in zip("qkv", mine, theirs):
-        scale = b.float().abs().max().item()
-        assert (a.float() - b.float()).abs().max().item() <= 2 ** -6 * scale, f"d{name}"
 
 
 @pytest.mark.gpu
