@@ -1,7 +1,8 @@
 """Experiment: the Gluon backward (kernelforge/triton/attention_gluon_backward.py) at other tile
 shapes and pipeline depths, against the Triton backward, on a sliding window, causal and full
 attention, and on the harness's BlockMasks (the window as a mask, local + global, dilated: the
-block-sparse kernels, off in the library until this has run on a GPU).
+block-sparse kernels, off in the library until this has run on a GPU); and the library's
+backward with delta computed in the dQ launch (FUSE_DELTA, off until timed here).
 
     python3 benchmarks/gluon_backward_experiment.py                 # GPU: agreement and timing
     python3 benchmarks/gluon_backward_experiment.py --compile-only  # CPU: sm_90a build report
@@ -116,8 +117,14 @@ def main():
             glb.ENABLED[switch] = True
             t_lib = _timed("the library's backward", lambda: tri.flash_backward(do, q, k, v, out, lse, scale, vis),
                            lambda r: (("dq", r[0], ref_dq), ("dk", r[1], ref_dk), ("dv", r[2], ref_dv)))
+            glb.FUSE_DELTA = True
+            t_fused = _timed("the library's backward, delta in the dQ launch",
+                             lambda: tri.flash_backward(do, q, k, v, out, lse, scale, vis),
+                             lambda r: (("dq", r[0], ref_dq), ("dk", r[1], ref_dk), ("dv", r[2], ref_dv)))
+            glb.FUSE_DELTA = False
             print(f"d{D} {name}: triton backward (delta, dK/dV, dQ) {t_tri * 1e3:.1f} us; the library's with the "
-                  f"Gluon kernels {t_lib * 1e3:.1f} us", flush=True)
+                  f"Gluon kernels {t_lib * 1e3:.1f} us, with delta in the dQ launch {t_fused * 1e3:.1f} us",
+                  flush=True)
             masked = vis.block_mask is not None  # mask tiles of 64 take the library's tiles only
             best_dkdv = min(_timed(f"dK/dV {c}", lambda c=c: dkdv(q, k, v, do, lse, delta, scale, vis, c),
                                    lambda r: (("dk", r[0], ref_dk), ("dv", r[1], ref_dv)))

@@ -212,16 +212,18 @@ def flash_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     B, H, Sq, D = q.shape
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    gluon = _gluon("attention_gluon_backward") if q.is_cuda else None  # Hopper: attention_gluon_backward.py
+    if gluon is not None and not gluon.takes(grad_out, q, k, v, vis, device_capability(q.device)):
+        gluon = None
     with on_device(q):
-        delta_rows = 64
-        launch(
-            backward_delta_kernel, (triton.cdiv(Sq, delta_rows), B * H),
-            out, grad_out, delta, *out.stride()[:3], *grad_out.stride()[:3], H, Sq,
-            HEAD_DIM_V=Dv, BLOCK_M=delta_rows, BLOCK_DV=_pow2(Dv))
-        if q.is_cuda:  # on Hopper, without a mask: the Gluon backward (attention_gluon_backward.py)
-            gluon = _gluon("attention_gluon_backward")
-            if gluon is not None and gluon.takes(grad_out, q, k, v, vis, device_capability(q.device)):
-                return gluon.backward(grad_out, q, k, v, lse, delta, scale, vis)
+        if gluon is None or not gluon.FUSE_DELTA:
+            delta_rows = 64
+            launch(
+                backward_delta_kernel, (triton.cdiv(Sq, delta_rows), B * H),
+                out, grad_out, delta, *out.stride()[:3], *grad_out.stride()[:3], H, Sq,
+                HEAD_DIM_V=Dv, BLOCK_M=delta_rows, BLOCK_DV=_pow2(Dv))
+        if gluon is not None:
+            return gluon.backward(grad_out, q, k, v, out, lse, delta, scale, vis)
     cfg = _config(BACKWARD_TILES, q, k, v, vis)
     mask, mstr, mask_kind = _mask_args(q, vis)
     left, right, has_left, has_right = _band(vis)

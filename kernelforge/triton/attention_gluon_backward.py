@@ -75,6 +75,10 @@ BLOCK_M = 64  # query rows a step (dK/dV) or a program (dQ): one warpgroup's wgm
 BLOCK_N = 64  # keys a program (dK/dV) or a step (dQ)
 STAGES = 2
 NUM_WARPS = 4
+# delta = rowsum(O * dO) in the dQ launch (run first) instead of the Triton kernel before both:
+# O read once there, one launch fewer. Off until it has been timed on a GPU
+# (benchmarks/gluon_backward_experiment.py times both).
+FUSE_DELTA = False
 LOG2E_C: gl.constexpr = gl.constexpr(LOG2E)
 
 
@@ -206,11 +210,27 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
 
 
 @gluon.jit
-def dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
+def _row_delta(O, sob, soh, som, do_tile, b, h, m0, Sq, DELTA, row_base, BLOCK_M: gl.constexpr,
+               HEAD_DIM: gl.constexpr, rows_layout: gl.constexpr, num_warps: gl.constexpr):
+    """delta = rowsum(O * dO) of a query tile's rows, stored for the dK/dV kernel that runs
+    next: O read from global memory (its only read in the backward), dO from the tile already in
+    shared memory. Bytes: 2 * D a row read, 4 written."""
+    blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    r = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blocked))
+    c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, blocked))
+    o_rows = O + b.to(gl.int64) * sob + h.to(gl.int64) * soh + r[:, None].to(gl.int64) * som
+    o = gl.load(o_rows + c[None, :], mask=(r < Sq)[:, None], other=0.0)
+    delta = gl.sum(o.to(gl.float32) * do_tile.load(blocked).to(gl.float32), 1)
+    gl.store(DELTA + row_base + r, delta, mask=r < Sq)
+    return gl.convert_layout(delta, rows_layout)
+
+
+@gluon.jit
+def dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, O, sob, soh, som,
               COUNTS, BLOCKS, PARTIAL, WORDS, scb, sch, sbb, sbh, NUM_MB_K,
               H, GROUP, Sq, Sk, off, LEFT, RIGHT, qk_scale, scale,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_SPARSE: gl.constexpr, MB_Q: gl.constexpr,
-              MB_K: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+              MB_K: gl.constexpr, FUSE_DELTA: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -247,10 +267,13 @@ def dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     row_base = pid_bh.to(gl.int64) * Sq
     lse2 = _lse2(LSE, row_base, rows, Sq)
-    delta = gl.load(DELTA + row_base + rows, mask=rows < Sq, other=0.0)
+    if not FUSE_DELTA:
+        delta = gl.load(DELTA + row_base + rows, mask=rows < Sq, other=0.0)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
     mbarrier.wait(qdo_ready, 0)
+    if FUSE_DELTA:  # this launch computes delta (dK/dV runs after it)
+        delta = _row_delta(O, sob, soh, som, do, b, h, m0, Sq, DELTA, row_base, BLOCK_M, HEAD_DIM, s_rows, num_warps)
 
     for j in range(tiles):
         slot = j % STAGES
@@ -308,43 +331,53 @@ def takes(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 
 def _arguments(kernel_out: tuple, q, k, v, grad_out, lse, delta, scale: float, vis: Visibility,
-               block_m: int = BLOCK_M, block_n: int = BLOCK_N, stages: int = STAGES, num_warps: int = NUM_WARPS):
+               block_m: int = BLOCK_M, block_n: int = BLOCK_N, stages: int = STAGES, num_warps: int = NUM_WARPS,
+               out=None):
     """Arguments and constexprs of dkdv_kernel (kernel_out = (dk, dv): a BlockMask's lists per
-    key tile) or dq_kernel (kernel_out = (dq,): its lists per query tile); the tile shape and
-    pipeline depth are parameters for the experiment."""
+    key tile) or dq_kernel (kernel_out = (dq,): its lists per query tile; given the forward's
+    `out`, it computes delta too); the tile shape and pipeline depth are parameters for the
+    experiment."""
     H, Sq, Hkv, Sk = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
     dkdv = len(kernel_out) == 2
     outs = tuple(_descriptor(t, block_n if dkdv else block_m) for t in kernel_out)
     lists, mb_q, mb_k = list_arguments(vis.block_mask, "q" if dkdv else "kv", lse)
     if vis.block_mask is None:
         mb_q, mb_k = block_m, block_n
+    o_args = () if dkdv else (lse, 0, 0, 0) if out is None else (out, *out.stride()[:3])
     args = (_descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
-            *outs, lse, delta, *lists, H, H // Hkv, Sq, Sk, Sk - Sq, vis.left if vis.left is not None else 0,
+            *outs, lse, delta, *o_args, *lists, H, H // Hkv, Sq, Sk, Sk - Sq, vis.left if vis.left is not None else 0,
             vis.right if vis.right is not None else 0, scale * LOG2E, scale)
     constexprs = dict(HAS_LEFT=vis.left is not None, HAS_RIGHT=vis.right is not None,
                       BLOCK_SPARSE=vis.block_mask is not None, MB_Q=mb_q, MB_K=mb_k, STAGES=stages,
                       num_warps=num_warps)
+    if not dkdv:
+        constexprs["FUSE_DELTA"] = out is not None
     return args, constexprs
 
 
-def backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
-             delta: torch.Tensor, scale: float, vis: Visibility):
-    """(dq, dk, dv) from the forward's lse and delta = rowsum(O * dO); `takes` having agreed."""
+def backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+             lse: torch.Tensor, delta: torch.Tensor, scale: float, vis: Visibility):
+    """(dq, dk, dv) from the forward's out and lse; `takes` having agreed. delta (B, H, Sq)
+    float32 holds rowsum(O * dO) already, or with FUSE_DELTA is filled here by the dQ launch,
+    which then runs first."""
     B, H, Sq, _ = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    dq_launch = _arguments((dq,), q, k, v, grad_out, lse, delta, scale, vis, out=out if FUSE_DELTA else None)
+    if FUSE_DELTA:
+        launch(dq_kernel, (triton.cdiv(Sq, BLOCK_M), B * H), *dq_launch[0], **dq_launch[1])
     args, constexprs = _arguments((dk, dv), q, k, v, grad_out, lse, delta, scale, vis)
     launch(dkdv_kernel, (triton.cdiv(Sk, BLOCK_N), B * Hkv), *args, **constexprs)
-    args, constexprs = _arguments((dq,), q, k, v, grad_out, lse, delta, scale, vis)
-    launch(dq_kernel, (triton.cdiv(Sq, BLOCK_M), B * H), *args, **constexprs)
+    if not FUSE_DELTA:
+        launch(dq_kernel, (triton.cdiv(Sq, BLOCK_M), B * H), *dq_launch[0], **dq_launch[1])
     return dq, dk, dv
 
 
 def compile_for_sm90(head_dim: int, dtype: torch.dtype, has_right: bool, kernels=("dkdv", "dq"),
                      block_sparse: bool = False, **config) -> dict:
-    """sm90_usage of the kernels named ({"dkdv": ..., "dq": ...}) on a window of 512 (or that
-    window as a BlockMask of 64 x 64 tiles), at the library's tiles or at `config` (block_m,
-    block_n, stages, num_warps)."""
+    """sm90_usage of the kernels named ({"dkdv": ..., "dq": ..., "dq_fuse_delta": ...}) on a
+    window of 512 (or that window as a BlockMask of 64 x 64 tiles), at the library's tiles or at
+    `config` (block_m, block_n, stages, num_warps)."""
     t = torch.zeros(1, 2, 1000, head_dim, dtype=dtype)
     rows = torch.zeros(1, 2, 1000)
     if block_sparse:
@@ -352,6 +385,8 @@ def compile_for_sm90(head_dim: int, dtype: torch.dtype, has_right: bool, kernels
         vis = Visibility(None, 0 if has_right else None, block_mask=sliding_window_block_mask(1000, 1000, 512))
     else:
         vis = Visibility(512, 0 if has_right else None)
-    builds = {"dkdv": (dkdv_kernel, (t, t)), "dq": (dq_kernel, (t,))}
-    return {name: sm90_usage(builds[name][0], *_arguments(builds[name][1], t, t, t, t, rows, rows, 0.1, vis, **config))
+    builds = {"dkdv": (dkdv_kernel, (t, t), None), "dq": (dq_kernel, (t,), None),
+              "dq_fuse_delta": (dq_kernel, (t,), t)}
+    return {name: sm90_usage(builds[name][0], *_arguments(builds[name][1], t, t, t, t, rows, rows, 0.1, vis,
+                                                          out=builds[name][2], **config))
             for name in kernels}

@@ -153,6 +153,20 @@ def test_backward_without_a_window_matches_oracle(case, dtype, gluon_backward_ca
     assert gluon_backward_calls, "the Gluon backward did not run"
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3], UNBANDED_CASES[1]],
+                         ids=["window-4097", "gqa-short-queries", "keyless-rows", "mqa-unbanded"])
+@pytest.mark.gpu
+@needs_hopper
+def test_backward_with_delta_in_the_dq_launch_matches_oracle(case, monkeypatch, gluon_backward_calls):
+    """FUSE_DELTA (off until timed on a GPU: this turns it on): the dQ launch computes delta =
+    rowsum(O * dO) and runs before dK/dV."""
+    monkeypatch.setattr(gluon_backward, "FUSE_DELTA", True)
+    B, H, Hkv, Sq, Sk, D, causal = case[:7]
+    window = case[7] if len(case) > 7 else None
+    check("triton", "cuda", torch.bfloat16, B, H, Hkv, Sq, Sk, D, None, causal, window, None)
+    assert gluon_backward_calls, "the Gluon backward did not run"
+
+
 @pytest.mark.gpu
 @needs_hopper
 def test_agrees_with_the_triton_forward(monkeypatch):
@@ -360,7 +374,8 @@ def sm90_builds():
             "for d in (64, 128):\n"
             "    for r in (False, True):\n"
             "        for s in (False, True):\n"
-            "            for kernel, usage in b.compile_for_sm90(d, torch.bfloat16, r, block_sparse=s).items():\n"
+            "            kernels = ('dkdv', 'dq', 'dq_fuse_delta')\n"
+            "            for kernel, usage in b.compile_for_sm90(d, torch.bfloat16, r, kernels, s).items():\n"
             "                builds[f'{kernel}-{d}-{r}-{s}'] = usage\n"
             "print(json.dumps(builds))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -383,7 +398,7 @@ def test_compiles_for_sm90_within_two_programs_an_sm(D, has_right, block_sparse,
 
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("has_right", [False, True])
-@pytest.mark.parametrize("kernel", ["dkdv", "dq"])
+@pytest.mark.parametrize("kernel", ["dkdv", "dq", "dq_fuse_delta"])
 @pytest.mark.parametrize("block_sparse", [False, True], ids=["band", "block-mask"])
 def test_backward_compiles_for_sm90_within_two_programs_an_sm(D, has_right, kernel, block_sparse, sm90_builds):
     """The backward kernels build for sm_90a within two programs an SM. dK/dV at d128 keeps
