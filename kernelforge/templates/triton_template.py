@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernelforge.triton._launch import launch, on_device
+from kernelforge.triton._launch import cdiv, launch, on_device
 
 BLOCK = 1024
 
@@ -59,7 +59,7 @@ def my_op_forward(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty_like(x)
     if x.numel():
         with on_device(x):
-            launch(my_op_forward_kernel, (triton.cdiv(x.numel(), BLOCK),), x, y, x.numel(), BLOCK=BLOCK)
+            launch(my_op_forward_kernel, (cdiv(x.numel(), BLOCK),), x, y, x.numel(), BLOCK=BLOCK)
     return y
 
 
@@ -68,5 +68,5 @@ def my_op_backward(grad_y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     dx = torch.empty_like(x)
     if x.numel():
         with on_device(x):
-            launch(my_op_backward_kernel, (triton.cdiv(x.numel(), BLOCK),), x, grad_y, dx, x.numel(), BLOCK=BLOCK)
+            launch(my_op_backward_kernel, (cdiv(x.numel(), BLOCK),), x, grad_y, dx, x.numel(), BLOCK=BLOCK)
     return dx

@@ -54,7 +54,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernelforge.triton import interpreter_enabled
-from kernelforge.triton._launch import launch, on_device, sm_count
+from kernelforge.triton._launch import cdiv, launch, next_power_of_2, on_device, sm_count
 
 SQRT1_2 = tl.constexpr(0.7071067811865476)
 INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
@@ -263,15 +263,15 @@ class TileConfig:
 
     def grid_shape(self, n_rows: int, n_cols: int) -> tuple[int, int]:
         """(row tiles, column blocks)."""
-        return triton.cdiv(n_rows, self.block_m), triton.cdiv(n_cols, self.block_n)
+        return cdiv(n_rows, self.block_m), cdiv(n_cols, self.block_n)
 
 
 @functools.lru_cache(maxsize=4096)  # on every launch; a pure function of a few ints
 def default_config(n_rows: int, n_cols: int) -> TileConfig:
     if n_rows == 1:
-        return TileConfig(1, min(triton.next_power_of_2(n_cols), FLAT_TILE_ELEMS), FLAT_WARPS)
-    block_n = min(triton.next_power_of_2(n_cols), MAX_BLOCK_N)
-    block_m = max(1, min(ROW_TILE_ELEMS // block_n, triton.next_power_of_2(n_rows)))
+        return TileConfig(1, min(next_power_of_2(n_cols), FLAT_TILE_ELEMS), FLAT_WARPS)
+    block_n = min(next_power_of_2(n_cols), MAX_BLOCK_N)
+    block_m = max(1, min(ROW_TILE_ELEMS // block_n, next_power_of_2(n_rows)))
     return TileConfig(block_m, block_n, NUM_WARPS if block_m * block_n >= 2048 else 4)
 
 
@@ -328,7 +328,7 @@ def act_backward_rows(
     row_tiles, col_blocks = cfg.grid_shape(n_rows, n_cols)
     row_programs = row_tiles
     if bias_grad:
-        wanted = bias_grad_row_programs or triton.cdiv(BIAS_GRAD_PROGRAMS_PER_SM * sm_count(x2d.device), col_blocks)
+        wanted = bias_grad_row_programs or cdiv(BIAS_GRAD_PROGRAMS_PER_SM * sm_count(x2d.device), col_blocks)
         row_programs = max(1, min(row_tiles, wanted))
     partial = torch.empty((row_programs, n_cols), dtype=torch.float32, device=x2d.device) if bias_grad else None
     with on_device(x2d):

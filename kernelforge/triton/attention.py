@@ -14,11 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from kernelforge.reference.attention import Visibility
 from kernelforge.triton import attention_decode, interpreter_enabled
-from kernelforge.triton._launch import device_capability, launch, on_device
+from kernelforge.triton._launch import cdiv, device_capability, launch, next_power_of_2, on_device
 from kernelforge.triton.attention_kernels import (backward_delta_kernel, flash_backward_dkdv_kernel,
                                                   flash_backward_dq_kernel, flash_forward_kernel)
 
@@ -35,7 +34,7 @@ class TileConfig:
 
 
 def _pow2(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
+    return max(16, next_power_of_2(n))
 
 
 # Forward tiles by padded head dim. Each program keeps a BLOCK_M x D query tile and a
@@ -188,7 +187,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     mask, mstr, mask_kind = _mask_args(q, vis)
     counts, full, blocks, partial, bits, scb, sch, sbb, sbh, nkb, mb_q, mb_k = _block_args(q, vis, False)
     left, right, has_left, has_right = _band(vis)
-    grid = (triton.cdiv(Sq, cfg.block_m), B * H)
+    grid = (cdiv(Sq, cfg.block_m), B * H)
     with on_device(q):
         launch(
             flash_forward_kernel, grid,
@@ -219,7 +218,7 @@ def flash_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         if gluon is None or not gluon.FUSE_DELTA:
             delta_rows = 64
             launch(
-                backward_delta_kernel, (triton.cdiv(Sq, delta_rows), B * H),
+                backward_delta_kernel, (cdiv(Sq, delta_rows), B * H),
                 out, grad_out, delta, *out.stride()[:3], *grad_out.stride()[:3], H, Sq,
                 HEAD_DIM_V=Dv, BLOCK_M=delta_rows, BLOCK_DV=_pow2(Dv))
         if gluon is not None:
@@ -238,7 +237,7 @@ def flash_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     with on_device(q):
         counts, full, blocks, partial, bits, scb, sch, sbb, sbh, nqb, mb_q, mb_k = _block_args(q, vis, True)
         launch(
-            flash_backward_dkdv_kernel, (triton.cdiv(Sk, cfg.block_n), B * Hkv),
+            flash_backward_dkdv_kernel, (cdiv(Sk, cfg.block_n), B * Hkv),
             q, k, v, grad_out, lse, delta, dk, dv, mask, counts, full, blocks, partial, bits,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
             *dk.stride()[:3], *dv.stride()[:3], *mstr, scb, sch, sbb, sbh,
@@ -246,7 +245,7 @@ def flash_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
             MB_Q=mb_q, MB_K=mb_k, **common)
         counts, full, blocks, partial, bits, scb, sch, sbb, sbh, nkb, mb_q, mb_k = _block_args(q, vis, False)
         launch(
-            flash_backward_dq_kernel, (triton.cdiv(Sq, cfg.block_m), B * H),
+            flash_backward_dq_kernel, (cdiv(Sq, cfg.block_m), B * H),
             q, k, v, grad_out, lse, delta, dq, mask, counts, full, blocks, partial, bits,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], *dq.stride()[:3],
             *mstr, scb, sch, sbb, sbh,

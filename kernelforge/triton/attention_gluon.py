@@ -61,7 +61,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernelforge.reference.attention import Visibility
-from kernelforge.triton._launch import launch
+from kernelforge.triton._launch import cdiv, launch
 from kernelforge.triton.attention_visibility import _in_band, _row_range
 
 HEAD_DIMS = (64, 128)
@@ -427,7 +427,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, vis
     out = torch.empty(B, H, Sq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     args, constexprs = _arguments(q, k, v, out, lse, scale, vis)
-    launch(forward_kernel, (triton.cdiv(Sq, BLOCK_M), B * H), *args, **constexprs)
+    launch(forward_kernel, (cdiv(Sq, BLOCK_M), B * H), *args, **constexprs)
     return out, lse
 
 

@@ -57,14 +57,13 @@ or with tiles under 64, other GPUs, fp32, other head dims).
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
 from kernelforge.reference.attention import Visibility
-from kernelforge.triton._launch import launch
+from kernelforge.triton._launch import cdiv, launch
 from kernelforge.triton.attention_gluon import (DTYPES, ENABLED, HEAD_DIMS, LOG2E, _descriptor, _issue_tile,
                                                 _tile_visible, _tile_words, _tma_ready, _walk_tile, invalidate_rings,
                                                 key_walk, list_arguments, one_and_two_rings, query_tile_program,
@@ -365,11 +364,11 @@ def backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     dq_launch = _arguments((dq,), q, k, v, grad_out, lse, delta, scale, vis, out=out if FUSE_DELTA else None)
     if FUSE_DELTA:
-        launch(dq_kernel, (triton.cdiv(Sq, BLOCK_M), B * H), *dq_launch[0], **dq_launch[1])
+        launch(dq_kernel, (cdiv(Sq, BLOCK_M), B * H), *dq_launch[0], **dq_launch[1])
     args, constexprs = _arguments((dk, dv), q, k, v, grad_out, lse, delta, scale, vis)
-    launch(dkdv_kernel, (triton.cdiv(Sk, BLOCK_N), B * Hkv), *args, **constexprs)
+    launch(dkdv_kernel, (cdiv(Sk, BLOCK_N), B * Hkv), *args, **constexprs)
     if not FUSE_DELTA:
-        launch(dq_kernel, (triton.cdiv(Sq, BLOCK_M), B * H), *dq_launch[0], **dq_launch[1])
+        launch(dq_kernel, (cdiv(Sq, BLOCK_M), B * H), *dq_launch[0], **dq_launch[1])
     return dq, dk, dv
 
 

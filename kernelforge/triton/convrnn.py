@@ -25,7 +25,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernelforge.triton import interpreter_enabled
-from kernelforge.triton._launch import launch, on_device
+from kernelforge.triton._launch import launch, next_power_of_2, on_device
 
 # One program holds a batch row: its (taps rounded up to a power of two) x (features rounded up)
 # tap tile, float32, across at most 16 warps: 64 values a thread at most. Three taps: up to
@@ -136,7 +136,7 @@ def convrnn_backward_kernel(GRAD_OUT, GRAD_H, W, H0, OUT, DX, DH0, DW_PART, WORK
 
 def why_not(x: torch.Tensor, kernel: torch.Tensor) -> str | None:
     F, K = x.shape[-1], kernel.shape[-1]
-    tile = triton.next_power_of_2(K) * triton.next_power_of_2(max(F, 16))
+    tile = next_power_of_2(K) * next_power_of_2(max(F, 16))
     if tile > MAX_TILE:
         return (f"the Triton kernels hold a (taps x features) tile of a row in one program, at most {MAX_TILE} values "
                 f"(powers of two), got {K} taps x {F} features")
@@ -148,7 +148,7 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 
 def _meta(F: int, K: int) -> dict:
-    block_f, block_k = triton.next_power_of_2(max(F, 16)), triton.next_power_of_2(K)
+    block_f, block_k = next_power_of_2(max(F, 16)), next_power_of_2(K)
     return dict(KSIZE=K, BLOCK_K=block_k, BLOCK_F=block_f, num_warps=min(16, max(4, block_k * block_f // 2048)))
 
 

@@ -23,7 +23,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernelforge.triton import interpreter_enabled
-from kernelforge.triton._launch import device_capability, launch, on_device, sm_count
+from kernelforge.triton._launch import cdiv, device_capability, launch, next_power_of_2, on_device, sm_count
 from kernelforge.triton.gemm_kernels import gemm_kernel, gemm_tma_kernel, round_tf32_kernel
 
 USE_TMA: Optional[bool] = None
@@ -86,7 +86,7 @@ def _prune(configs, named_args, **kwargs):
     candidate costs the autotuner a compile and a timing."""
     def narrowest_fit(dim, extent):
         smallest = min(c.kwargs[dim] for c in configs)
-        return max(triton.next_power_of_2(extent), smallest)
+        return max(next_power_of_2(extent), smallest)
 
     max_m, max_n = narrowest_fit("BLOCK_M", named_args["M"]), narrowest_fit("BLOCK_N", named_args["N"])
     return [c for c in configs if c.kwargs["BLOCK_M"] <= max_m and c.kwargs["BLOCK_N"] <= max_n]
@@ -248,7 +248,7 @@ def _tf32_copy(t: torch.Tensor, k_dim: int) -> torch.Tensor:
     R, C = t.shape[1:]
     y = torch.empty((R, C) if k_dim == 1 else (C, R), device=t.device, dtype=torch.float32)
     y = y if k_dim == 1 else y.t()
-    launch(round_tf32_kernel, (triton.cdiv(R, 64), triton.cdiv(C, 64)), t[0], y, R, C, *t.stride()[1:], *y.stride(),
+    launch(round_tf32_kernel, (cdiv(R, 64), cdiv(C, 64)), t[0], y, R, C, *t.stride()[1:], *y.stride(),
            BLOCK_R=64, BLOCK_C=64)
     return y.unsqueeze(0)
 
@@ -279,7 +279,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residua
     sms = sm_count(a.device)
 
     def grid(meta):
-        tiles = batch * triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+        tiles = batch * cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
         return (max(1, min(sms, tiles)),)
 
     dtypes = (a.dtype, b.dtype, out.dtype, None if bias is None else bias.dtype,
@@ -289,11 +289,11 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residua
             _launch_tma(tma, out, pointers, residual, preact, M, N, K, compute, epilogue, sms, dtypes,
                         scale_strides)
             return out, preact
-        signature = ("pointers", triton.next_power_of_2(M), N, K, a.stride(2), b.stride(2), compute, *dtypes,
+        signature = ("pointers", next_power_of_2(M), N, K, a.stride(2), b.stride(2), compute, *dtypes,
                      *epilogue.values())
         _launch(_pointer_kernels(_OPERAND_BITS[compute]), signature, grid,
                 (a, b, out, *pointers, M, N, K, *a.stride(), *b.stride(), *out.stride(), *_strides(residual, out),
-                 *_strides(preact, out), *scale_strides, batch, triton.next_power_of_2(M)),
+                 *_strides(preact, out), *scale_strides, batch, next_power_of_2(M)),
                 dict(COMPUTE=compute, PRECISION=_PRECISION[compute], **epilogue),
                 heuristics=lambda config: {"EVEN_K": _even_k({"K": K, **config})})
     return out, preact
@@ -306,10 +306,10 @@ def _launch_tma(tma, out, pointers, residual, preact, M, N, K, compute, epilogue
         _tma_block_shapes(dict(zip(("a_desc", "b_desc", "c_desc"), descriptors), **orders, **config_kwargs))
 
     def grid(meta):  # at most `sms` programs, each walking the tiles `sms` apart
-        return (max(1, min(sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]))),)
+        return (max(1, min(sms, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]))),)
 
-    signature = ("tma", triton.next_power_of_2(M), N, K, compute, *orders.values(), *dtypes, *epilogue.values())
+    signature = ("tma", next_power_of_2(M), N, K, compute, *orders.values(), *dtypes, *epilogue.values())
     _launch(_tma_kernels(_OPERAND_BITS[compute]), signature, grid,
             (*descriptors, *pointers, M, N, K, *_strides(residual, out)[1:], *_strides(preact, out)[1:],
-             scale_strides[1], scale_strides[3], triton.next_power_of_2(M), sms),
+             scale_strides[1], scale_strides[3], next_power_of_2(M), sms),
             dict(COMPUTE=compute, PRECISION=_PRECISION[compute], **orders, **epilogue), set_block_shapes)

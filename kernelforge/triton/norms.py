@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernelforge.triton._launch import launch, on_device, sm_count, warps_for
+from kernelforge.triton._launch import cdiv, launch, next_power_of_2, on_device, sm_count, warps_for
 
 # Longest row one program holds in registers: as for softmax, 32768 float32 values over 32
 # warps; backward holds dy and h, so half.
@@ -329,8 +329,8 @@ def default_config(n_rows: int, n_cols: int, backward: bool = False, rms: bool =
     else:
         fused_max = FUSED_MAX_COLS_BACKWARD if rms else FUSED_MAX_COLS_BACKWARD_LAYER_NORM
     if n_cols <= fused_max:
-        block_n = triton.next_power_of_2(n_cols)
-        block_m = max(1, min(ROW_TILE_ELEMS // block_n, triton.next_power_of_2(n_rows)))
+        block_n = next_power_of_2(n_cols)
+        block_m = max(1, min(ROW_TILE_ELEMS // block_n, next_power_of_2(n_rows)))
         return NormConfig(True, block_m, block_n, warps_for(block_m * block_n))
     if backward:
         block_m, block_n = BACKWARD_TILE
@@ -367,7 +367,7 @@ def norm_forward_rows(x2d, residual2d, weight, bias, eps: float, rms: bool, offs
     with on_device(x2d):
         if cfg.fused:
             launch(
-                _norm_fwd_fused_kernel, (triton.cdiv(n_rows, cfg.block_m),),
+                _norm_fwd_fused_kernel, (cdiv(n_rows, cfg.block_m),),
                 *operands, n_rows, n_cols, x2d.stride(0), res_row_stride, eps, offset,
                 BLOCK_M=cfg.block_m, **flags)
         else:
@@ -395,14 +395,14 @@ def norm_backward_rows(grad_y2d, grad_residual2d, h2d, weight, bias_present: boo
     cfg = config or default_config(n_rows, n_cols, backward=True, rms=rms)
     target_programs = PROGRAMS_PER_SM * sm_count(device)
     if cfg.fused:
-        n_tiles = triton.cdiv(n_rows, cfg.block_m)
-        tiles_per_program = triton.cdiv(n_tiles, min(n_tiles, target_programs))
-        programs = triton.cdiv(n_tiles, tiles_per_program)
+        n_tiles = cdiv(n_rows, cfg.block_m)
+        tiles_per_program = cdiv(n_tiles, min(n_tiles, target_programs))
+        programs = cdiv(n_tiles, tiles_per_program)
     else:
-        chunks = triton.cdiv(n_cols, cfg.block_n)
-        groups = max(1, min(triton.cdiv(target_programs, chunks), triton.cdiv(n_rows, cfg.block_m)))
-        rows_per_group = triton.cdiv(triton.cdiv(n_rows, groups), cfg.block_m) * cfg.block_m
-        programs = triton.cdiv(n_rows, rows_per_group)
+        chunks = cdiv(n_cols, cfg.block_n)
+        groups = max(1, min(cdiv(target_programs, chunks), cdiv(n_rows, cfg.block_m)))
+        rows_per_group = cdiv(cdiv(n_rows, groups), cfg.block_m) * cfg.block_m
+        programs = cdiv(n_rows, rows_per_group)
     partial = lambda wanted: (torch.empty((programs, n_cols), dtype=torch.float32, device=device)  # noqa: E731
                               if wanted else rstd)
     dw_part, db_part = partial(weight_grad), partial(bias_grad)
@@ -425,7 +425,7 @@ def norm_backward_rows(grad_y2d, grad_residual2d, h2d, weight, bias_present: boo
                 *loads, dots, n_cols, *strides, offset, RMS=rms, HAS_WEIGHT=weight is not None,
                 BLOCK_N=CHUNK_COLS, num_warps=CHUNK_WARPS)
             launch(
-                _norm_bwd_chunked_kernel, (triton.cdiv(n_cols, cfg.block_n), programs),
+                _norm_bwd_chunked_kernel, (cdiv(n_cols, cfg.block_n), programs),
                 *loads, dots, _or(grad_residual2d, dh), dh, dw_part, db_part, n_rows, n_cols, *strides,
                 dres_row_stride, offset, rows_per_group, **flags)
     grad_weight = torch.empty(n_cols, dtype=weight.dtype, device=device) if weight_grad else None
@@ -433,7 +433,7 @@ def norm_backward_rows(grad_y2d, grad_residual2d, h2d, weight, bias_present: boo
     if weight_grad or bias_grad:
         with on_device(h2d):
             launch(
-                _sum_partials_kernel, (triton.cdiv(n_cols, PARTIALS_BLOCK[1]),),
+                _sum_partials_kernel, (cdiv(n_cols, PARTIALS_BLOCK[1]),),
                 dw_part, db_part, _or(grad_weight, grad_bias), _or(grad_bias, grad_weight), programs, n_cols,
                 WEIGHT_GRAD=weight_grad, BIAS_GRAD=bias_grad, BLOCK_P=PARTIALS_BLOCK[0],
                 BLOCK_N=PARTIALS_BLOCK[1], num_warps=4)

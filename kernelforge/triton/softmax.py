@@ -29,7 +29,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernelforge.triton import interpreter_enabled
-from kernelforge.triton._launch import launch, on_device, warps_for
+from kernelforge.triton._launch import cdiv, launch, next_power_of_2, on_device, warps_for
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * log2(e)): exp2 is the SFU's native op
 LN2 = tl.constexpr(0.6931471805599453)
@@ -188,8 +188,8 @@ class RowConfig:
 
 def default_config(n_rows: int, n_cols: int, backward: bool = False) -> RowConfig:
     if n_cols <= (FUSED_MAX_COLS_BACKWARD if backward else FUSED_MAX_COLS):
-        block_n = triton.next_power_of_2(n_cols)
-        block_m = max(1, min(ROW_TILE_ELEMS // block_n, triton.next_power_of_2(n_rows)))
+        block_n = next_power_of_2(n_cols)
+        block_m = max(1, min(ROW_TILE_ELEMS // block_n, next_power_of_2(n_rows)))
         return RowConfig(True, block_m, block_n, warps_for(block_m * block_n))
     return RowConfig(False, 1, ONLINE_BLOCK_N, ONLINE_NUM_WARPS)
 
@@ -206,7 +206,7 @@ def softmax_forward_rows(x2d: torch.Tensor, log: bool, config: Optional[RowConfi
     with on_device(x2d):
         if cfg.fused:
             launch(
-                _softmax_fwd_fused_kernel, (triton.cdiv(n_rows, cfg.block_m),),
+                _softmax_fwd_fused_kernel, (cdiv(n_rows, cfg.block_m),),
                 x2d, y, n_rows, n_cols, x2d.stride(0), y.stride(0),
                 LOG=log, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISE=precise, num_warps=cfg.num_warps,
             )
@@ -232,7 +232,7 @@ def softmax_backward_rows(
     with on_device(out2d):
         if cfg.fused:
             launch(
-                _softmax_bwd_fused_kernel, (triton.cdiv(n_rows, cfg.block_m),),
+                _softmax_bwd_fused_kernel, (cdiv(n_rows, cfg.block_m),),
                 grad2d, out2d, dx, n_rows, n_cols, grad2d.stride(0), out2d.stride(0), dx.stride(0),
                 LOG=log, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISE=precise,
                 num_warps=cfg.num_warps,
