@@ -11,6 +11,7 @@ the current CUDA stream of q's device, and on CPU tensors under TRITON_INTERPRET
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -158,9 +159,10 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
+@functools.lru_cache(maxsize=None)
 def _gluon(module: str):
     """kernelforge.triton.<module> (attention_gluon, attention_gluon_backward), or None where
-    this Triton has no Gluon for Hopper."""
+    this Triton has no Gluon for Hopper; looked up once (import_module costs ~1 us a call)."""
     import importlib
     try:
         return importlib.import_module(f"kernelforge.triton.{module}")

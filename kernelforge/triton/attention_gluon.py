@@ -216,7 +216,7 @@ def _tile_visible(i, j, words, bit, partial_id, Sq, Sk, off, LEFT, RIGHT, HAS_LE
     orientation): the band and the tails, and a partial tile's bits (bit `bit` of the tile row's
     word, `words` one a tile row; none of the stand-in tile's pairs). HALVES tests the bit in
     the word's 32-bit halves: dK/dV at d128, whose registers are full, spills 280 bytes on the
-    64-bit shifts and 16 on the halves (compiled for sm_90a); the forward keeps the 64-bit
+    64-bit shifts and 28 on the halves (compiled for sm_90a); the forward keeps the 64-bit
     shift it was measured with."""
     ok = _in_band(i, j, Sq, Sk, off, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT)
     if BLOCK_SPARSE:

@@ -90,6 +90,19 @@ def _lse2(LSE, row_base, rows, Sq):
 
 
 @gluon.jit
+def _pair_and_two_rings(one_desc, two_desc, a_desc, b_desc, b, head, row0, STAGES: gl.constexpr):
+    """one_and_two_rings with a second tile beside the once-loaded one (the same rows of
+    another tensor: K with V, Q with dO), both loads issued now on the one barrier: (one, two,
+    their barrier, ring a, its barriers, ring b, its barriers)."""
+    one, ready, ring_a, a_ready, ring_b, b_ready = one_and_two_rings(one_desc, a_desc, b_desc, STAGES)
+    two = gl.allocate_shared_memory(two_desc.dtype, two_desc.block_type.shape, two_desc.layout)
+    mbarrier.expect(ready, one_desc.block_type.nbytes + two_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(one_desc, [b, head, row0, 0], ready, one)
+    tma.async_copy_global_to_shared(two_desc, [b, head, row0, 0], ready, two)
+    return one, two, ready, ring_a, a_ready, ring_b, b_ready
+
+
+@gluon.jit
 def _query_step(t, per_head, hk, GROUP, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL,
                 BLOCK_M: gl.constexpr, BLOCK_SPARSE: gl.constexpr, MB_Q: gl.constexpr, HAS_BAND: gl.constexpr):
     """Step t of a dK/dV program's walk, the query tiles of each q head of its group in turn:
@@ -138,11 +151,8 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
 
     # K and V come once, on one barrier; Q and dO stream through rings
-    k_buf, kv_ready, q_bufs, q_ready, do_bufs, do_ready = one_and_two_rings(k_desc, q_desc, do_desc, STAGES)
-    v_buf = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
-    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_ready, k_buf)
-    tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_ready, v_buf)
+    k_buf, v_buf, kv_ready, q_bufs, q_ready, do_bufs, do_ready = _pair_and_two_rings(k_desc, v_desc, q_desc, do_desc,
+                                                                                     b, hk, n0, STAGES)
     for st in gl.static_range(STAGES):
         h_st, m_st, _, _ = _query_step(st, gl.maximum(per_head, 1), hk, GROUP, lo, full_lo, full_hi, list_base,
                                        count, BLOCKS, PARTIAL, BLOCK_M, BLOCK_SPARSE, MB_Q, HAS_BAND)
@@ -248,12 +258,9 @@ def dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, O, sob, soh,
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    # Q and dO come once (on Q's barrier), K and V stream through rings
-    q_buf, qdo_ready, k_bufs, k_ready, v_bufs, v_ready = one_and_two_rings(q_desc, k_desc, v_desc, STAGES)
-    do_buf = gl.allocate_shared_memory(dtype, do_desc.block_type.shape, do_desc.layout)
-    mbarrier.expect(qdo_ready, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], qdo_ready, q_buf)
-    tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], qdo_ready, do_buf)
+    # Q and dO come once, on one barrier; K and V stream through rings
+    q_buf, do_buf, qdo_ready, k_bufs, k_ready, v_bufs, v_ready = _pair_and_two_rings(q_desc, do_desc, k_desc, v_desc,
+                                                                                     b, h, m0, STAGES)
     for st in gl.static_range(STAGES):
         n_st, _, _ = _walk_tile(st, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N, BLOCK_SPARSE,
                                 MB_K, HAS_BAND)
@@ -329,23 +336,29 @@ def takes(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
             and all(_tma_ready(t) for t in (q, k, v, grad_out)))
 
 
+def _input_descriptors(q, k, v, grad_out, block_m: int = BLOCK_M, block_n: int = BLOCK_N) -> tuple:
+    """TMA descriptors of q, k, v and the output's gradient, which both kernels read the same
+    way: built once a backward (~3 us of host time each)."""
+    return _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m)
+
+
 def _arguments(kernel_out: tuple, q, k, v, grad_out, lse, delta, scale: float, vis: Visibility,
                block_m: int = BLOCK_M, block_n: int = BLOCK_N, stages: int = STAGES, num_warps: int = NUM_WARPS,
-               out=None):
+               out=None, inputs=None):
     """Arguments and constexprs of dkdv_kernel (kernel_out = (dk, dv): a BlockMask's lists per
     key tile) or dq_kernel (kernel_out = (dq,): its lists per query tile; given the forward's
-    `out`, it computes delta too); the tile shape and pipeline depth are parameters for the
-    experiment."""
+    `out`, it computes delta too); `inputs`: _input_descriptors' result where the caller has it.
+    The tile shape and pipeline depth are parameters for the experiment."""
     H, Sq, Hkv, Sk = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
     dkdv = len(kernel_out) == 2
+    inputs = inputs or _input_descriptors(q, k, v, grad_out, block_m, block_n)
     outs = tuple(_descriptor(t, block_n if dkdv else block_m) for t in kernel_out)
     lists, mb_q, mb_k = list_arguments(vis.block_mask, "q" if dkdv else "kv", lse)
     if vis.block_mask is None:
         mb_q, mb_k = block_m, block_n
     o_args = () if dkdv else (lse, 0, 0, 0) if out is None else (out, *out.stride()[:3])
-    args = (_descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
-            *outs, lse, delta, *o_args, *lists, H, H // Hkv, Sq, Sk, Sk - Sq, vis.left if vis.left is not None else 0,
-            vis.right if vis.right is not None else 0, scale * LOG2E, scale)
+    args = (*inputs, *outs, lse, delta, *o_args, *lists, H, H // Hkv, Sq, Sk, Sk - Sq,
+            vis.left if vis.left is not None else 0, vis.right if vis.right is not None else 0, scale * LOG2E, scale)
     constexprs = dict(HAS_LEFT=vis.left is not None, HAS_RIGHT=vis.right is not None,
                       BLOCK_SPARSE=vis.block_mask is not None, MB_Q=mb_q, MB_K=mb_k, STAGES=stages,
                       num_warps=num_warps)
@@ -362,10 +375,12 @@ def backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     B, H, Sq, _ = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    dq_launch = _arguments((dq,), q, k, v, grad_out, lse, delta, scale, vis, out=out if FUSE_DELTA else None)
+    inputs = _input_descriptors(q, k, v, grad_out)
+    dq_launch = _arguments((dq,), q, k, v, grad_out, lse, delta, scale, vis, out=out if FUSE_DELTA else None,
+                           inputs=inputs)
     if FUSE_DELTA:
         launch(dq_kernel, (cdiv(Sq, BLOCK_M), B * H), *dq_launch[0], **dq_launch[1])
-    args, constexprs = _arguments((dk, dv), q, k, v, grad_out, lse, delta, scale, vis)
+    args, constexprs = _arguments((dk, dv), q, k, v, grad_out, lse, delta, scale, vis, inputs=inputs)
     launch(dkdv_kernel, (cdiv(Sk, BLOCK_N), B * Hkv), *args, **constexprs)
     if not FUSE_DELTA:
         launch(dq_kernel, (cdiv(Sq, BLOCK_M), B * H), *dq_launch[0], **dq_launch[1])
