@@ -1,8 +1,8 @@
 """Experiment: the Gluon backward (kernelforge/triton/attention_gluon_backward.py) at other tile
 shapes and pipeline depths, against the Triton backward, on a sliding window, causal and full
 attention, and on the harness's BlockMasks (the window as a mask, local + global, dilated: the
-block-sparse kernels, off in the library until this has run on a GPU); and the library's
-backward with delta computed in the dQ launch (FUSE_DELTA, off until timed here).
+block-sparse kernels); and the library's backward with delta from its own launch and computed in
+the dQ launch (FUSE_DELTA, the library's default since this timed it).
 
     python3 benchmarks/gluon_backward_experiment.py                 # GPU: agreement and timing
     python3 benchmarks/gluon_backward_experiment.py --compile-only  # CPU: sm_90a build report
@@ -115,15 +115,18 @@ def main():
             ref_dq, ref_dk, ref_dv = tri.flash_backward(do, q, k, v, out, lse, scale, vis)
             t_tri = do_bench(lambda: tri.flash_backward(do, q, k, v, out, lse, scale, vis), rep=200)
             glb.ENABLED[switch] = True
-            t_lib = _timed("the library's backward", lambda: tri.flash_backward(do, q, k, v, out, lse, scale, vis),
+            fused, glb.FUSE_DELTA = glb.FUSE_DELTA, False
+            t_lib = _timed("the library's backward, delta from its own launch",
+                           lambda: tri.flash_backward(do, q, k, v, out, lse, scale, vis),
                            lambda r: (("dq", r[0], ref_dq), ("dk", r[1], ref_dk), ("dv", r[2], ref_dv)))
             glb.FUSE_DELTA = True
             t_fused = _timed("the library's backward, delta in the dQ launch",
                              lambda: tri.flash_backward(do, q, k, v, out, lse, scale, vis),
                              lambda r: (("dq", r[0], ref_dq), ("dk", r[1], ref_dk), ("dv", r[2], ref_dv)))
-            glb.FUSE_DELTA = False
+            glb.FUSE_DELTA = fused
             print(f"d{D} {name}: triton backward (delta, dK/dV, dQ) {t_tri * 1e3:.1f} us; the library's with the "
-                  f"Gluon kernels {t_lib * 1e3:.1f} us, with delta in the dQ launch {t_fused * 1e3:.1f} us",
+                  f"Gluon kernels {t_lib * 1e3:.1f} us with delta from its own launch, {t_fused * 1e3:.1f} us with "
+                  "delta in the dQ launch",
                   flush=True)
             masked = vis.block_mask is not None  # mask tiles of 64 take the library's tiles only
             best_dkdv = min(_timed(f"dK/dV {c}", lambda c=c: dkdv(q, k, v, do, lse, delta, scale, vis, c),

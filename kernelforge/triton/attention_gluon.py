@@ -44,9 +44,9 @@ Measured (H200, bf16, 2 x 16 heads x 8192, d128):
 
 Only sm_90 has wgmma; kernelforge/triton/attention.py sends a call here when `takes` says so
 and keeps the Triton forward for everything else (attn_mask, mask tiles under 64, other
-GPUs, fp32, other head dims). The backward without a BlockMask is in Gluon too
-(attention_gluon_backward.py); a BlockMask's is the Triton one. Both read (out, lse) as the
-Triton forward writes them.
+GPUs, fp32, other head dims). The backward is in Gluon too (attention_gluon_backward.py), for
+causal and full attention as well; a BlockMask that differs between the q heads of a kv group
+takes the Triton one. Both backwards read (out, lse) as the Triton forward writes them.
 """
 from __future__ import annotations
 
@@ -73,9 +73,8 @@ NUM_WARPS = 4
 LOG2E = 1.4426950408889634
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 # Off switches for experiments and tests (benchmarks/gluon_window_experiment.py times both forwards);
-# "backward" and "block_mask_backward" are attention_gluon_backward.py's. The block-sparse
-# backward is off until it has run on a GPU (its kernels compile for sm_90a; see that module).
-ENABLED = {"window": True, "block_mask": True, "backward": True, "block_mask_backward": False}
+# "backward" and "block_mask_backward" are attention_gluon_backward.py's.
+ENABLED = {"window": True, "block_mask": True, "backward": True, "block_mask_backward": True}
 
 
 @gluon.jit

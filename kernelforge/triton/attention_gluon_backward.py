@@ -77,7 +77,7 @@ NUM_WARPS = 4
 # delta = rowsum(O * dO) in the dQ launch (run first) instead of the Triton kernel before both:
 # O read once there, one launch fewer. Off until it has been timed on a GPU
 # (benchmarks/gluon_backward_experiment.py times both).
-FUSE_DELTA = False
+FUSE_DELTA = True
 LOG2E_C: gl.constexpr = gl.constexpr(LOG2E)
 
 
@@ -219,17 +219,23 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
 
 
 @gluon.jit
-def _row_delta(O, sob, soh, som, do_tile, b, h, m0, Sq, DELTA, row_base, BLOCK_M: gl.constexpr,
-               HEAD_DIM: gl.constexpr, rows_layout: gl.constexpr, num_warps: gl.constexpr):
-    """delta = rowsum(O * dO) of a query tile's rows, stored for the dK/dV kernel that runs
-    next: O read from global memory (its only read in the backward), dO from the tile already in
-    shared memory. Bytes: 2 * D a row read, 4 written."""
-    blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+def _o_tile(O, sob, soh, som, b, h, m0, Sq, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, blocked: gl.constexpr):
+    """A query tile's rows of O (for delta), loaded from global memory before the wait for Q and
+    dO so that the two latencies overlap (it is O's only read in the backward)."""
     r = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blocked))
     c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, blocked))
     o_rows = O + b.to(gl.int64) * sob + h.to(gl.int64) * soh + r[:, None].to(gl.int64) * som
-    o = gl.load(o_rows + c[None, :], mask=(r < Sq)[:, None], other=0.0)
+    return gl.load(o_rows + c[None, :], mask=(r < Sq)[:, None], other=0.0)
+
+
+@gluon.jit
+def _row_delta(o, do_tile, m0, Sq, DELTA, row_base, BLOCK_M: gl.constexpr, blocked: gl.constexpr,
+               rows_layout: gl.constexpr):
+    """delta = rowsum(O * dO) of a query tile's rows (o from _o_tile, dO from the tile already
+    in shared memory), stored for the dK/dV kernel that runs next. Bytes: 2 * D a row read, 4
+    written."""
     delta = gl.sum(o.to(gl.float32) * do_tile.load(blocked).to(gl.float32), 1)
+    r = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blocked))
     gl.store(DELTA + row_base + r, delta, mask=r < Sq)
     return gl.convert_layout(delta, rows_layout)
 
@@ -275,11 +281,14 @@ def dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, O, sob, soh,
     lse2 = _lse2(LSE, row_base, rows, Sq)
     if not FUSE_DELTA:
         delta = gl.load(DELTA + row_base + rows, mask=rows < Sq, other=0.0)
+    else:  # this launch computes delta (dK/dV runs after it)
+        o_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        o = _o_tile(O, sob, soh, som, b, h, m0, Sq, BLOCK_M, HEAD_DIM, o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
     mbarrier.wait(qdo_ready, 0)
-    if FUSE_DELTA:  # this launch computes delta (dK/dV runs after it)
-        delta = _row_delta(O, sob, soh, som, do, b, h, m0, Sq, DELTA, row_base, BLOCK_M, HEAD_DIM, s_rows, num_warps)
+    if FUSE_DELTA:
+        delta = _row_delta(o, do, m0, Sq, DELTA, row_base, BLOCK_M, o_layout, s_rows)
 
     for j in range(tiles):
         slot = j % STAGES

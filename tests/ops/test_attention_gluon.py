@@ -157,10 +157,10 @@ def test_backward_without_a_window_matches_oracle(case, dtype, gluon_backward_ca
                          ids=["window-4097", "gqa-short-queries", "keyless-rows", "mqa-unbanded"])
 @pytest.mark.gpu
 @needs_hopper
-def test_backward_with_delta_in_the_dq_launch_matches_oracle(case, monkeypatch, gluon_backward_calls):
-    """FUSE_DELTA (off until timed on a GPU: this turns it on): the dQ launch computes delta =
-    rowsum(O * dO) and runs before dK/dV."""
-    monkeypatch.setattr(gluon_backward, "FUSE_DELTA", True)
+def test_backward_with_delta_from_its_own_launch_matches_oracle(case, monkeypatch, gluon_backward_calls):
+    """FUSE_DELTA off (the library's default has the dQ launch compute delta = rowsum(O * dO)
+    and run before dK/dV): delta from the Triton kernel, dK/dV before dQ."""
+    monkeypatch.setattr(gluon_backward, "FUSE_DELTA", False)
     B, H, Hkv, Sq, Sk, D, causal = case[:7]
     window = case[7] if len(case) > 7 else None
     check("triton", "cuda", torch.bfloat16, B, H, Hkv, Sq, Sk, D, None, causal, window, None)
@@ -223,10 +223,9 @@ def test_block_sparse_matches_oracle(case, dtype, gluon_calls):
 @pytest.mark.parametrize("case", BLOCK_CASES, ids=[c[0] for c in BLOCK_CASES])
 @pytest.mark.gpu
 @needs_hopper
-def test_block_sparse_gluon_backward_matches_oracle(case, dtype, monkeypatch, gluon_backward_calls):
-    """The block-sparse Gluon backward (off in the library until it has run on a GPU: this
-    turns it on) against the float64 oracle on every pattern, forward through the Gluon forward."""
-    monkeypatch.setitem(gluon.ENABLED, "block_mask_backward", True)
+def test_block_sparse_gluon_backward_matches_oracle(case, dtype, gluon_backward_calls):
+    """The block-sparse Gluon backward against the float64 oracle on every pattern, forward
+    through the Gluon forward."""
     _, make, H, Hkv, D, causal, window = case
     _check_block_sparse("triton", "cuda", dtype, make(), H, Hkv, D, causal=causal, window=window)
     assert gluon_backward_calls, "the Gluon backward did not run"
@@ -304,9 +303,6 @@ def test_backward_takes_only_what_it_supports():
     assert gluon_backward.takes(grad, q, k, v, Visibility.of(True, None), (9, 0)), "causal"
     assert gluon_backward.takes(grad, q, k, v, Visibility.of(False, None), (9, 0)), "every key"
     assert not gluon_backward.takes(grad, q, k, v, window, (8, 0)), "wgmma is sm_90 only"
-    bm = kf.sliding_window_block_mask(40, 40, 8)
-    assert not gluon_backward.takes(grad, q, k, v, Visibility.of(False, None, block_mask=bm), (9, 0))
-    assert not gluon_backward.takes(grad, q, k, v, Visibility.of(True, (64, None), block_mask=bm), (9, 0))
     mask = torch.ones(40, 40, dtype=torch.bool)
     assert not gluon_backward.takes(grad, q, k, v, Visibility.of(True, (64, None), attn_mask=mask), (9, 0))
     assert not gluon_backward.takes(*_inputs(torch.float32)[:1], *_inputs(torch.float32), window, (9, 0))
@@ -321,9 +317,10 @@ def test_backward_takes_block_masks_it_supports(monkeypatch):
     grad = torch.zeros_like(q)
     bm = kf.sliding_window_block_mask(40, 40, 8)
     masked = Visibility.of(False, None, block_mask=bm)
-    assert not gluon_backward.takes(grad, q, k, v, masked, (9, 0)), "off until it has run on a GPU"
-    monkeypatch.setitem(gluon.ENABLED, "block_mask_backward", True)
     assert gluon_backward.takes(grad, q, k, v, masked, (9, 0))
+    monkeypatch.setitem(gluon.ENABLED, "block_mask_backward", False)
+    assert not gluon_backward.takes(grad, q, k, v, masked, (9, 0)), "switched off"
+    monkeypatch.setitem(gluon.ENABLED, "block_mask_backward", True)
     assert gluon_backward.takes(grad, q, k, v, Visibility.of(True, (16, None), block_mask=bm), (9, 0)), "with a band"
     for block_q, block_k in ((128, 64), (64, 128), (128, 128)):
         bm = kf.sliding_window_block_mask(40, 40, 8, block_q=block_q, block_k=block_k)
