@@ -61,6 +61,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernelforge.reference.attention import Visibility
 from kernelforge.triton._launch import cdiv, launch
@@ -79,13 +80,20 @@ NUM_WARPS = 4
 # (benchmarks/gluon_backward_experiment.py times both).
 FUSE_DELTA = True
 LOG2E_C: gl.constexpr = gl.constexpr(LOG2E)
+# a (B, H, Sq) float32 vector's 64 rows in shared memory (lse, delta; see _issue_step)
+ROW_LAYOUT: gl.constexpr = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3))
 
 
 @gluon.jit
 def _lse2(LSE, row_base, rows, Sq):
-    """The forward's lse (natural log) in log2 units, +inf where a row saw no key or lies past
-    Sq, so that P = exp2(s2 - lse2) is exactly 0 there."""
-    lse = gl.load(LSE + row_base + rows, mask=rows < Sq, other=float("-inf"))
+    """The forward's lse (natural log) of rows [row_base + rows] in log2 units (_log2_lse)."""
+    return _log2_lse(gl.load(LSE + row_base + rows, mask=rows < Sq, other=float("-inf")))
+
+
+@gluon.jit
+def _log2_lse(lse):
+    """lse in log2 units, +inf where a row saw no key or lies past Sq (lse = -inf), so that
+    P = exp2(s2 - lse2) is exactly 0 there."""
     return gl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
 
 
@@ -103,6 +111,37 @@ def _pair_and_two_rings(one_desc, two_desc, a_desc, b_desc, b, head, row0, STAGE
 
 
 @gluon.jit
+def _issue_step(q_desc, q_bufs, q_ready, do_desc, do_bufs, do_ready, lse_desc, lse_bufs, delta_desc, delta_bufs,
+                b, head, row0, slot, pred, ROWS_TMA: gl.constexpr):
+    """A dK/dV step's Q and dO tiles into ring slot `slot`, with ROWS_TMA their rows' lse and
+    delta on the same barriers: read from shared memory then, not loaded from global memory in
+    every step (that load's latency was the kernel's largest stall: ncu, H200, causal window
+    512, d128). TMA wants 16-byte row strides (Sq % 4 == 0); other lengths load them."""
+    if ROWS_TMA:
+        mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + lse_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(lse_desc, [b, head, row0], q_ready.index(slot), lse_bufs.index(slot), pred=pred)
+        mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes + delta_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(delta_desc, [b, head, row0], do_ready.index(slot), delta_bufs.index(slot),
+                                        pred=pred)
+    else:
+        mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes, pred=pred)
+        mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(q_desc, [b, head, row0, 0], q_ready.index(slot), q_bufs.index(slot), pred=pred)
+    tma.async_copy_global_to_shared(do_desc, [b, head, row0, 0], do_ready.index(slot), do_bufs.index(slot), pred=pred)
+
+
+@gluon.jit
+def _step_rows(bufs, slot, ROWS, row_base, rows, Sq, other: gl.constexpr, ROWS_TMA: gl.constexpr):
+    """A step's rows of lse or delta (layout of `rows`): from the ring (_issue_step), zeros past
+    Sq, or loaded, `other` past Sq."""
+    if ROWS_TMA:
+        values = bufs.index(slot).reshape([rows.shape[0]]).load(rows.type.layout)
+    else:
+        values = gl.load(ROWS + row_base + rows, mask=rows < Sq, other=other)
+    return values
+
+
+@gluon.jit
 def _query_step(t, per_head, hk, GROUP, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL,
                 BLOCK_M: gl.constexpr, BLOCK_SPARSE: gl.constexpr, MB_Q: gl.constexpr, HAS_BAND: gl.constexpr):
     """Step t of a dK/dV program's walk, the query tiles of each q head of its group in turn:
@@ -113,11 +152,11 @@ def _query_step(t, per_head, hk, GROUP, lo, full_lo, full_hi, list_base, count, 
 
 
 @gluon.jit
-def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
+def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, LSE, DELTA,
                 COUNTS, BLOCKS, PARTIAL, WORDS, scb, sch, sbb, sbh, NUM_MB_Q,
                 H, GROUP, Sq, Sk, off, LEFT, RIGHT, qk_scale, scale,
                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_SPARSE: gl.constexpr, MB_Q: gl.constexpr,
-                MB_K: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                MB_K: gl.constexpr, ROWS_TMA: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -150,14 +189,17 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
                                                          instr_shape=[16, HEAD_DIM, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
 
-    # K and V come once, on one barrier; Q and dO stream through rings
+    # K and V come once, on one barrier; Q with its rows' lse and dO with their delta stream
+    # through rings
     k_buf, v_buf, kv_ready, q_bufs, q_ready, do_bufs, do_ready = _pair_and_two_rings(k_desc, v_desc, q_desc, do_desc,
                                                                                      b, hk, n0, STAGES)
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, 1, BLOCK_M], ROW_LAYOUT)  # 512 bytes each,
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, 1, BLOCK_M], ROW_LAYOUT)  # unused without TMA
     for st in gl.static_range(STAGES):
         h_st, m_st, _, _ = _query_step(st, gl.maximum(per_head, 1), hk, GROUP, lo, full_lo, full_hi, list_base,
                                        count, BLOCKS, PARTIAL, BLOCK_M, BLOCK_SPARSE, MB_Q, HAS_BAND)
-        _issue_tile(q_desc, q_bufs, q_ready, b, h_st, m_st, st, st < steps)
-        _issue_tile(do_desc, do_bufs, do_ready, b, h_st, m_st, st, st < steps)
+        _issue_step(q_desc, q_bufs, q_ready, do_desc, do_bufs, do_ready, lse_desc, lse_bufs, delta_desc, delta_bufs,
+                    b, h_st, m_st, st, st < steps, ROWS_TMA)
 
     k = k_buf.reshape([BLOCK_N, HEAD_DIM])
     v = v_buf.reshape([BLOCK_N, HEAD_DIM])
@@ -184,7 +226,9 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
         # a word a key row (two loads a thread), issued before the wait for S^T
         words = _tile_words(WORDS, partial_id, n0, m0, key_bits, BLOCK_SPARSE, MB_K, MB_Q)
         row_base = (b * H + h).to(gl.int64) * Sq
-        lse2 = _lse2(LSE, row_base, rows, Sq)
+        lse2 = _log2_lse(_step_rows(lse_bufs, slot, LSE, row_base, rows, Sq, float("-inf"), ROWS_TMA))
+        if ROWS_TMA:  # P = 0 past Sq (Q's rows there are zeros, and so is the ring's lse)
+            lse2 = gl.where(rows < Sq, lse2, float("inf"))
         sT = warpgroup_mma_wait(1, deps=(sT,))
         if edge:
             ok = _tile_visible(rows[None, :], keys[:, None], words, cols[None, :], partial_id, Sq, Sk, off, LEFT, RIGHT,
@@ -193,8 +237,9 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
         pT = gl.exp2(sT * qk_scale - lse2[None, :])
         pT_op = gl.convert_layout(pT.to(dtype), op_layout)
         dv = warpgroup_mma(pT_op, do_i, dv, is_async=True)
-        # delta loaded only now: its registers are not live across the exponentials
-        delta = gl.load(DELTA + row_base + rows, mask=rows < Sq, other=0.0)
+        # delta read only now: its registers are not live across the exponentials (rows past
+        # Sq have P = 0 whatever their delta)
+        delta = _step_rows(delta_bufs, slot, DELTA, row_base, rows, Sq, 0.0, ROWS_TMA)
         dpT = warpgroup_mma_wait(1, deps=(dpT,))
         dsT_op = gl.convert_layout((pT * (dpT - delta[None, :])).to(dtype), op_layout)
         dk = warpgroup_mma(dsT_op, q_i, dk, is_async=True)
@@ -204,8 +249,8 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
         nxt = t + STAGES
         h_n, m_n, _, _ = _query_step(nxt, per_head, hk, GROUP, lo, full_lo, full_hi, list_base, count, BLOCKS,
                                      PARTIAL, BLOCK_M, BLOCK_SPARSE, MB_Q, HAS_BAND)
-        _issue_tile(q_desc, q_bufs, q_ready, b, h_n, m_n, slot, nxt < steps)
-        _issue_tile(do_desc, do_bufs, do_ready, b, h_n, m_n, slot, nxt < steps)
+        _issue_step(q_desc, q_bufs, q_ready, do_desc, do_bufs, do_ready, lse_desc, lse_bufs, delta_desc, delta_bufs,
+                    b, h_n, m_n, slot, nxt < steps, ROWS_TMA)
 
     invalidate_rings(kv_ready, q_ready, do_ready, STAGES)
     # dK = scale * sum dS^T Q, dV = sum P^T dO, out through K's and V's buffers (every MMA is
@@ -351,6 +396,16 @@ def _input_descriptors(q, k, v, grad_out, block_m: int = BLOCK_M, block_n: int =
     return _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m)
 
 
+def _row_descriptors(lse: torch.Tensor, delta: torch.Tensor, block: int) -> tuple | None:
+    """3-D TMA descriptors over the contiguous (B, H, Sq) float32 lse and delta, `block` rows a
+    load, or None where TMA cannot read them (row strides not a multiple of 16 bytes, a base not
+    16-byte aligned): dK/dV then loads them."""
+    if lse.shape[-1] % 4 or any(t.data_ptr() % 16 for t in (lse, delta)):
+        return None
+    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block], ROW_LAYOUT.value)
+                 for t in (lse, delta))
+
+
 def _arguments(kernel_out: tuple, q, k, v, grad_out, lse, delta, scale: float, vis: Visibility,
                block_m: int = BLOCK_M, block_n: int = BLOCK_N, stages: int = STAGES, num_warps: int = NUM_WARPS,
                out=None, inputs=None):
@@ -365,13 +420,19 @@ def _arguments(kernel_out: tuple, q, k, v, grad_out, lse, delta, scale: float, v
     lists, mb_q, mb_k = list_arguments(vis.block_mask, "q" if dkdv else "kv", lse)
     if vis.block_mask is None:
         mb_q, mb_k = block_m, block_n
-    o_args = () if dkdv else (lse, 0, 0, 0) if out is None else (out, *out.stride()[:3])
-    args = (*inputs, *outs, lse, delta, *o_args, *lists, H, H // Hkv, Sq, Sk, Sk - Sq,
+    if dkdv:  # lse and delta ride the Q and dO rings where TMA can read them (_issue_step)
+        descriptors = _row_descriptors(lse, delta, block_m)
+        rows = (*(descriptors or (lse, delta)), lse, delta)
+    else:
+        rows = (lse, delta, *((lse, 0, 0, 0) if out is None else (out, *out.stride()[:3])))
+    args = (*inputs, *outs, *rows, *lists, H, H // Hkv, Sq, Sk, Sk - Sq,
             vis.left if vis.left is not None else 0, vis.right if vis.right is not None else 0, scale * LOG2E, scale)
     constexprs = dict(HAS_LEFT=vis.left is not None, HAS_RIGHT=vis.right is not None,
                       BLOCK_SPARSE=vis.block_mask is not None, MB_Q=mb_q, MB_K=mb_k, STAGES=stages,
                       num_warps=num_warps)
-    if not dkdv:
+    if dkdv:
+        constexprs["ROWS_TMA"] = descriptors is not None
+    else:
         constexprs["FUSE_DELTA"] = out is not None
     return args, constexprs
 
