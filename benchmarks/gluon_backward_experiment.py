@@ -2,7 +2,7 @@
 shapes and pipeline depths, against the Triton backward, on a sliding window, causal and full
 attention, and on the harness's BlockMasks (the window as a mask, local + global, dilated: the
 block-sparse kernels); and the library's backward with delta from its own launch and computed in
-the dQ launch (FUSE_DELTA, the library's default since this timed it).
+the dQ launch (FUSE_DELTA).
 
     python3 benchmarks/gluon_backward_experiment.py                 # GPU: agreement and timing
     python3 benchmarks/gluon_backward_experiment.py --compile-only  # CPU: sm_90a build report
@@ -11,6 +11,9 @@ Earlier runs (benchmarks/results/nvidia-h200/attention/gluon-backward-experiment
 variant of each kernel that issued step t + 1's score MMAs before waiting for step t's
 accumulating MMAs; it was slower (causal window 512, d128: dK/dV 502 against 305 us, dQ 261
 against 216) and is gone. It needs two ring stages: at one it waits for a tile never loaded.
+Run 6 timed a ring step's tiles on one mbarrier (Q, dO, lse, delta in dK/dV; K and V in dQ,
+both fetched at the step's end) to save Triton's bar.syncs around each barrier: 7 to 15 us
+slower at d128, and gone.
 """
 from __future__ import annotations
 
@@ -89,6 +92,7 @@ def main():
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--s", type=int, default=8192)
     ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--sweep", action="store_true", help="also time the tile configurations, not the library's only")
     ap.add_argument("--cases", default="window,causal,full,block-window,block-local_global,block-dilated",
                     help="which of window, causal, full, block-window, block-local_global, block-dilated to run")
     args = ap.parse_args()
@@ -115,25 +119,23 @@ def main():
             ref_dq, ref_dk, ref_dv = tri.flash_backward(do, q, k, v, out, lse, scale, vis)
             t_tri = do_bench(lambda: tri.flash_backward(do, q, k, v, out, lse, scale, vis), rep=200)
             glb.ENABLED[switch] = True
-            fused, glb.FUSE_DELTA = glb.FUSE_DELTA, False
-            t_lib = _timed("the library's backward, delta from its own launch",
-                           lambda: tri.flash_backward(do, q, k, v, out, lse, scale, vis),
-                           lambda r: (("dq", r[0], ref_dq), ("dk", r[1], ref_dk), ("dv", r[2], ref_dv)))
-            glb.FUSE_DELTA = True
-            t_fused = _timed("the library's backward, delta in the dQ launch",
-                             lambda: tri.flash_backward(do, q, k, v, out, lse, scale, vis),
-                             lambda r: (("dq", r[0], ref_dq), ("dk", r[1], ref_dk), ("dv", r[2], ref_dv)))
-            glb.FUSE_DELTA = fused
-            print(f"d{D} {name}: triton backward (delta, dK/dV, dQ) {t_tri * 1e3:.1f} us; the library's with the "
-                  f"Gluon kernels {t_lib * 1e3:.1f} us with delta from its own launch, {t_fused * 1e3:.1f} us with "
-                  "delta in the dQ launch",
-                  flush=True)
-            masked = vis.block_mask is not None  # mask tiles of 64 take the library's tiles only
+            library = {}
+            saved = glb.FUSE_DELTA
+            for fuse in (False, True):
+                glb.FUSE_DELTA = fuse
+                label = f"the library's backward, delta {'in the dQ launch' if fuse else 'from its own launch'}"
+                library[label] = _timed(label, lambda: tri.flash_backward(do, q, k, v, out, lse, scale, vis),
+                                        lambda r: (("dq", r[0], ref_dq), ("dk", r[1], ref_dk), ("dv", r[2], ref_dv)))
+            glb.FUSE_DELTA = saved
+            print(f"d{D} {name}: triton backward (delta, dK/dV, dQ) {t_tri * 1e3:.1f} us; "
+                  + "; ".join(f"{label[14:]} {t * 1e3:.1f} us" for label, t in library.items()), flush=True)
+            # mask tiles of 64 take the library's tiles only
+            sweep = args.sweep and vis.block_mask is None
             best_dkdv = min(_timed(f"dK/dV {c}", lambda c=c: dkdv(q, k, v, do, lse, delta, scale, vis, c),
                                    lambda r: (("dk", r[0], ref_dk), ("dv", r[1], ref_dv)))
-                            for c in (DKDV_CONFIGS[:1] if masked else DKDV_CONFIGS))
+                            for c in (DKDV_CONFIGS if sweep else DKDV_CONFIGS[:1]))
             best_dq = min(_timed(f"dQ {c}", lambda c=c: dq(q, k, v, do, lse, delta, scale, vis, c),
-                                 lambda r: (("dq", r, ref_dq),)) for c in (DQ_CONFIGS[:1] if masked else DQ_CONFIGS))
+                                 lambda r: (("dq", r, ref_dq),)) for c in (DQ_CONFIGS if sweep else DQ_CONFIGS[:1]))
             print(f"d{D} {name}: best gluon dK/dV {best_dkdv * 1e3:.1f} + dQ {best_dq * 1e3:.1f} us against "
                   f"triton {t_tri * 1e3:.1f} us", flush=True)
 

@@ -255,6 +255,9 @@ class _EagerAutograd(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.vis = scale, vis
         ctx.mark_non_differentiable(lse)
+        # lse's gradient stays None instead of a tensor of zeros (a fill kernel a backward); out's
+        # is never None here (lse is not differentiable, so only out's gradient runs this node)
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod

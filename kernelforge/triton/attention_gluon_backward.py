@@ -116,7 +116,8 @@ def _issue_step(q_desc, q_bufs, q_ready, do_desc, do_bufs, do_ready, lse_desc, l
     """A dK/dV step's Q and dO tiles into ring slot `slot`, with ROWS_TMA their rows' lse and
     delta on the same barriers: read from shared memory then, not loaded from global memory in
     every step (that load's latency was the kernel's largest stall: ncu, H200, causal window
-    512, d128). TMA wants 16-byte row strides (Sq % 4 == 0); other lengths load them."""
+    512, d128). TMA wants 16-byte row strides (Sq % 4 == 0); other lengths load them. Q and dO
+    keep a barrier each: the S^T MMA starts on Q alone (all four on one barrier was slower)."""
     if ROWS_TMA:
         mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + lse_desc.block_type.nbytes, pred=pred)
         tma.async_copy_global_to_shared(lse_desc, [b, head, row0], q_ready.index(slot), lse_bufs.index(slot), pred=pred)
@@ -354,7 +355,8 @@ def dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, O, sob, soh,
             s = gl.where(ok, s, float("-inf"))
         p = gl.exp2(s * qk_scale - lse2[:, None])
         dp = warpgroup_mma_wait(0, deps=(dp,))
-        # V slot `slot` is free: fetch tile j + STAGES into it
+        # V slot `slot` is free: fetch tile j + STAGES into it (K and V on one barrier, both
+        # fetched here, was slower)
         n_ahead, _, _ = _walk_tile(j + STAGES, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
                                    BLOCK_SPARSE, MB_K, HAS_BAND)
         _issue_tile(v_desc, v_bufs, v_ready, b, hk, n_ahead, slot, j + STAGES < tiles)
