@@ -20,7 +20,7 @@ from kernelforge.triton import attention as tri
 from kernelforge.triton import attention_gluon as glu
 
 # (BLOCK_M, BLOCK_N, ring depth, warps) of the Gluon forward; the first is the library's default
-CONFIGS = [(64, 64, 2, 4), (64, 64, 3, 4), (64, 32, 2, 4), (64, 128, 1, 4)]
+CONFIGS = [(64, 64, 2, 4), (64, 64, 1, 4), (64, 64, 3, 4), (64, 128, 1, 4)]
 FIELDS = ("BLOCK_M", "BLOCK_N", "STAGES", "NUM_WARPS")
 
 

@@ -74,6 +74,13 @@ from kernelforge.triton.attention_visibility import _col_range
 BLOCK_M = 64  # query rows a step (dK/dV) or a program (dQ): one warpgroup's wgmma height
 BLOCK_N = 64  # keys a program (dK/dV) or a step (dQ)
 STAGES = 2
+# dQ's ring depth (_dq_stages): at d128 without a BlockMask one stage lets three programs share
+# an SM (64 KB of shared memory, ~160 registers a thread each) instead of two, which hides more
+# latency than the deeper ring (H200 bf16, 2 x 16 x 8192: causal window 512 219 -> 213 us,
+# causal 1342 -> 1331, every key 2630 -> 2506); at d64 two stages are faster (118 against 120
+# us on the window, 739 against 761 causal), and a BlockMask's dQ (200+ registers) fits two
+# programs either way
+DQ_ONE_STAGE_HEAD_DIM = 128
 NUM_WARPS = 4
 # delta = rowsum(O * dO) in the dQ launch (run first) instead of the Triton kernel before both:
 # O read once there, one launch fewer. Off until it has been timed on a GPU
@@ -439,6 +446,10 @@ def _arguments(kernel_out: tuple, q, k, v, grad_out, lse, delta, scale: float, v
     return args, constexprs
 
 
+def _dq_stages(head_dim: int, vis: Visibility) -> int:
+    return 1 if head_dim == DQ_ONE_STAGE_HEAD_DIM and vis.block_mask is None else STAGES
+
+
 def backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, delta: torch.Tensor, scale: float, vis: Visibility):
     """(dq, dk, dv) from the forward's out and lse; `takes` having agreed. delta (B, H, Sq)
@@ -448,8 +459,8 @@ def backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     Hkv, Sk = k.shape[1], k.shape[2]
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     inputs = _input_descriptors(q, k, v, grad_out)
-    dq_launch = _arguments((dq,), q, k, v, grad_out, lse, delta, scale, vis, out=out if FUSE_DELTA else None,
-                           inputs=inputs)
+    dq_launch = _arguments((dq,), q, k, v, grad_out, lse, delta, scale, vis, stages=_dq_stages(q.shape[-1], vis),
+                           out=out if FUSE_DELTA else None, inputs=inputs)
     if FUSE_DELTA:
         launch(dq_kernel, (cdiv(Sq, BLOCK_M), B * H), *dq_launch[0], **dq_launch[1])
     args, constexprs = _arguments((dk, dv), q, k, v, grad_out, lse, delta, scale, vis, inputs=inputs)
@@ -471,8 +482,10 @@ def compile_for_sm90(head_dim: int, dtype: torch.dtype, has_right: bool, kernels
         vis = Visibility(None, 0 if has_right else None, block_mask=sliding_window_block_mask(1000, 1000, 512))
     else:
         vis = Visibility(512, 0 if has_right else None)
+    dq_config = {"stages": _dq_stages(head_dim, vis), **config}
     builds = {"dkdv": (dkdv_kernel, (t, t), None), "dq": (dq_kernel, (t,), None),
               "dq_fuse_delta": (dq_kernel, (t,), t)}
     return {name: sm90_usage(builds[name][0], *_arguments(builds[name][1], t, t, t, t, rows, rows, 0.1, vis,
-                                                          out=builds[name][2], **config))
+                                                          out=builds[name][2],
+                                                          **(config if name == "dkdv" else dq_config)))
             for name in kernels}

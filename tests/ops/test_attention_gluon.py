@@ -397,14 +397,11 @@ def test_compiles_for_sm90_within_two_programs_an_sm(D, has_right, block_sparse,
 @pytest.mark.parametrize("has_right", [False, True])
 @pytest.mark.parametrize("kernel", ["dkdv", "dq", "dq_fuse_delta"])
 @pytest.mark.parametrize("block_sparse", [False, True], ids=["band", "block-mask"])
-def test_backward_compiles_for_sm90_within_two_programs_an_sm(D, has_right, kernel, block_sparse, sm90_builds):
-    """The backward kernels build for sm_90a within two programs an SM. dK/dV at d128 keeps
-    dK, dV (64 registers each) and two score tiles live: ptxas spills a few bytes there (band
-    with a right bound 0, without 16; BlockMask 28 and 0). The H200 timings of the band (305 us
-    dK/dV on the causal window of 512, S 8192) were taken with the same instructions, before
-    the BlockMask parameters joined the signature, at 4 and 20 bytes; past 32 bytes they would
-    need measuring again."""
+def test_backward_compiles_for_sm90_within_its_programs_an_sm(D, has_right, kernel, block_sparse, sm90_builds):
+    """The backward kernels build for sm_90a without spills, within two programs an SM, and
+    dQ at d128 without a BlockMask (one ring stage: gluon_backward._dq_stages) within three."""
     usage = sm90_builds[f"{kernel}-{D}-{has_right}-{block_sparse}"]
-    assert usage["spills"] <= (32 if (kernel, D) == ("dkdv", 128) else 0), usage
-    assert usage["registers"] * 128 * 2 <= 65536, usage
-    assert 2 * (usage["shared"] + 1024) <= 228 * 1024, usage
+    programs = 3 if kernel.startswith("dq") and D == 128 and not block_sparse else 2
+    assert usage["spills"] == 0, usage
+    assert usage["registers"] * 128 * programs <= 65536, usage
+    assert programs * (usage["shared"] + 1024) <= 228 * 1024, usage
