@@ -19,7 +19,8 @@ from kernelforge.reference.attention import Visibility
 from kernelforge.triton import attention as tri
 from kernelforge.triton import attention_gluon as glu
 
-# (BLOCK_M, BLOCK_N, ring depth, warps) of the Gluon forward; the first is the library's default
+# (BLOCK_M, BLOCK_N, ring depth, warps) of the Gluon forward; the library's: the first, or the
+# second at d128 (attention_gluon.ring_stages)
 CONFIGS = [(64, 64, 2, 4), (64, 64, 1, 4), (64, 64, 3, 4), (64, 128, 1, 4)]
 FIELDS = ("BLOCK_M", "BLOCK_N", "STAGES", "NUM_WARPS")
 
@@ -112,6 +113,7 @@ def main():
               f"{host_us(lambda: forward(q, k, v, scale, vis, True)):.1f}", flush=True)
         t_default = float("inf")
         default = tuple(getattr(glu, f) for f in FIELDS)
+        one_stage, glu.ONE_STAGE_HEAD_DIM = glu.ONE_STAGE_HEAD_DIM, None  # STAGES rules every head dim here
         for config in CONFIGS:
             for field, value in zip(FIELDS, config):
                 setattr(glu, field, value)
@@ -128,6 +130,7 @@ def main():
                   f"({flops / t_glu / 1e9:.1f} TFLOP/s), {t_tri / t_glu:.2f}x triton, max diff {diff:.3g}", flush=True)
         for field, value in zip(FIELDS, default):
             setattr(glu, field, value)
+        glu.ONE_STAGE_HEAD_DIM = one_stage
         fb_tri = time_fwd_bwd(q, k, v, g, (W, None), False)
         fb_glu = time_fwd_bwd(q, k, v, g, (W, None), True)
         print(f"d{D} window {W}: fwd+bwd triton {fb_tri * 1e3:.1f} us, gluon fwd + triton bwd {fb_glu * 1e3:.1f} us",

@@ -22,7 +22,7 @@ dQ (dq_kernel): one warpgroup a 64-row query tile; it walks its keys as the forw
 issue S = Q K_j^T and dP = dO V_j^T; wait S, P = exp2(S * scale - lse); wait dP, refill the
 V slot; dS = P (dP - delta); issue dQ += dS K_j; wait; refill the K slot.
 
-A BlockMask (ENABLED["block_mask_backward"], off until it has run on a GPU) changes only
+A BlockMask (ENABLED["block_mask_backward"]) changes only
 which tiles a program walks and their masking, as in the forward (attention_gluon.py): dQ
 walks its query tile's list of key tiles (a stand-in tile, all hidden, where nothing is
 listed: dQ = 0); dK/dV walks its key tile's list of query tiles (BlockMask.q_*) for each q
@@ -35,7 +35,10 @@ Work per tile pair of 64 x 64: dK/dV 4 MMAs and dQ 3, each 2 * 64 * 64 * D FLOPs
 are computed twice: a fused kernel would add dQ by atomics instead). Bytes: K, V, dK, dV once
 per key tile; Q, dO, lse, delta once per key tile that sees them (from L2: neighbouring key
 tiles share their query tiles); Q, dO, dQ once and K, V once per query tile in dQ. delta =
-rowsum(O * dO) comes from the Triton kernel before both. No atomics: deterministic.
+rowsum(O * dO) is computed by the dQ launch, run first (FUSE_DELTA; O read once there); dK/dV
+takes each step's lse and delta by TMA with its Q and dO tiles (_issue_step). dQ at d128
+without a BlockMask runs a one-stage ring, three programs an SM (attention_gluon.ring_stages).
+No atomics: deterministic.
 
 Measured (H200, bf16, 2 x 16 x 8192; benchmarks/gluon_backward_experiment.py, its logs in
 benchmarks/results/nvidia-h200/attention/gluon-backward-experiment/), dK/dV + dQ against the
@@ -50,9 +53,15 @@ stages, 128-row dQ tiles, and issuing step t + 1's score MMAs before waiting for
 accumulating MMAs (window d128: dK/dV 502 us, dQ 261: the wait for the older MMAs alone costs
 more than it hides).
 
+Later (run4 to run7 logs there; ncu counters beside them): dK/dV's per-step lse and delta
+loads were its largest stall (long scoreboard 2.10 of 6.07 cycles an instruction); by TMA
+they fell to 0.92 and the window's dK/dV from 315 to 296 us. A ring step's tiles on one
+mbarrier (fewer of Triton's bar.syncs) was 7 to 15 us slower. delta in the dQ launch: window
+d128 538 -> 524 us the backward; at d128 causal and every key it is within 1.4% either way.
+
 Only sm_90 has wgmma; kernelforge/triton/attention.py sends a backward here when `takes` says
-so and keeps the Triton backward for everything else (attn_mask, BlockMasks while switched off
-or with tiles under 64, other GPUs, fp32, other head dims).
+so and keeps the Triton backward for everything else (attn_mask, BlockMasks with tiles under
+64 or lists that differ between the q heads of a kv group, other GPUs, fp32, other head dims).
 """
 from __future__ import annotations
 
@@ -68,23 +77,15 @@ from kernelforge.triton._launch import cdiv, launch
 from kernelforge.triton.attention_gluon import (DTYPES, ENABLED, HEAD_DIMS, LOG2E, _descriptor, _issue_tile,
                                                 _tile_visible, _tile_words, _tma_ready, _walk_tile, invalidate_rings,
                                                 key_walk, list_arguments, one_and_two_rings, query_tile_program,
-                                                sm90_usage)
+                                                ring_stages, sm90_usage)
 from kernelforge.triton.attention_visibility import _col_range
 
 BLOCK_M = 64  # query rows a step (dK/dV) or a program (dQ): one warpgroup's wgmma height
 BLOCK_N = 64  # keys a program (dK/dV) or a step (dQ)
 STAGES = 2
-# dQ's ring depth (_dq_stages): at d128 without a BlockMask one stage lets three programs share
-# an SM (64 KB of shared memory, ~160 registers a thread each) instead of two, which hides more
-# latency than the deeper ring (H200 bf16, 2 x 16 x 8192: causal window 512 219 -> 213 us,
-# causal 1342 -> 1331, every key 2630 -> 2506); at d64 two stages are faster (118 against 120
-# us on the window, 739 against 761 causal), and a BlockMask's dQ (200+ registers) fits two
-# programs either way
-DQ_ONE_STAGE_HEAD_DIM = 128
 NUM_WARPS = 4
 # delta = rowsum(O * dO) in the dQ launch (run first) instead of the Triton kernel before both:
-# O read once there, one launch fewer. Off until it has been timed on a GPU
-# (benchmarks/gluon_backward_experiment.py times both).
+# O read once there, one launch fewer (benchmarks/gluon_backward_experiment.py times both).
 FUSE_DELTA = True
 LOG2E_C: gl.constexpr = gl.constexpr(LOG2E)
 # a (B, H, Sq) float32 vector's 64 rows in shared memory (lse, delta; see _issue_step)
@@ -446,10 +447,6 @@ def _arguments(kernel_out: tuple, q, k, v, grad_out, lse, delta, scale: float, v
     return args, constexprs
 
 
-def _dq_stages(head_dim: int, vis: Visibility) -> int:
-    return 1 if head_dim == DQ_ONE_STAGE_HEAD_DIM and vis.block_mask is None else STAGES
-
-
 def backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, delta: torch.Tensor, scale: float, vis: Visibility):
     """(dq, dk, dv) from the forward's out and lse; `takes` having agreed. delta (B, H, Sq)
@@ -459,7 +456,7 @@ def backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     Hkv, Sk = k.shape[1], k.shape[2]
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     inputs = _input_descriptors(q, k, v, grad_out)
-    dq_launch = _arguments((dq,), q, k, v, grad_out, lse, delta, scale, vis, stages=_dq_stages(q.shape[-1], vis),
+    dq_launch = _arguments((dq,), q, k, v, grad_out, lse, delta, scale, vis, stages=ring_stages(q.shape[-1], vis),
                            out=out if FUSE_DELTA else None, inputs=inputs)
     if FUSE_DELTA:
         launch(dq_kernel, (cdiv(Sq, BLOCK_M), B * H), *dq_launch[0], **dq_launch[1])
@@ -482,7 +479,7 @@ def compile_for_sm90(head_dim: int, dtype: torch.dtype, has_right: bool, kernels
         vis = Visibility(None, 0 if has_right else None, block_mask=sliding_window_block_mask(1000, 1000, 512))
     else:
         vis = Visibility(512, 0 if has_right else None)
-    dq_config = {"stages": _dq_stages(head_dim, vis), **config}
+    dq_config = {"stages": ring_stages(head_dim, vis), **config}
     builds = {"dkdv": (dkdv_kernel, (t, t), None), "dq": (dq_kernel, (t,), None),
               "dq_fuse_delta": (dq_kernel, (t,), t)}
     return {name: sm90_usage(builds[name][0], *_arguments(builds[name][1], t, t, t, t, rows, rows, 0.1, vis,

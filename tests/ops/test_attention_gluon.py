@@ -384,13 +384,15 @@ def sm90_builds():
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("has_right", [False, True])
 @pytest.mark.parametrize("block_sparse", [False, True], ids=["band", "block-mask"])
-def test_compiles_for_sm90_within_two_programs_an_sm(D, has_right, block_sparse, sm90_builds):
+def test_compiles_for_sm90_within_its_programs_an_sm(D, has_right, block_sparse, sm90_builds):
     """The kernel builds for sm_90a with this Triton (no GPU needed: ptxas ships with Triton),
-    without spills, in registers and shared memory that let two programs share an SM."""
+    without spills, in registers and shared memory that let two programs share an SM, three at
+    d128 without a BlockMask (a one-stage ring: gluon.ring_stages)."""
     usage = sm90_builds[f"{D}-{has_right}-{block_sparse}"]
+    programs = 3 if D == 128 and not block_sparse else 2
     assert usage["spills"] == 0, usage
-    assert usage["registers"] * 128 * 2 <= 65536, usage
-    assert 2 * (usage["shared"] + 1024) <= 228 * 1024, usage
+    assert usage["registers"] * 128 * programs <= 65536, usage
+    assert programs * (usage["shared"] + 1024) <= 228 * 1024, usage
 
 
 @pytest.mark.parametrize("D", [64, 128])
