@@ -123,12 +123,13 @@ def main():
             saved = glb.FUSE_DELTA
             for fuse in (False, True):
                 glb.FUSE_DELTA = fuse
-                label = f"the library's backward, delta {'in the dQ launch' if fuse else 'from its own launch'}"
-                library[label] = _timed(label, lambda: tri.flash_backward(do, q, k, v, out, lse, scale, vis),
+                label = f"backward, delta {'in the dQ launch' if fuse else 'from its own launch'}"
+                library[label] = _timed(f"the library's {label}",
+                                        lambda: tri.flash_backward(do, q, k, v, out, lse, scale, vis),
                                         lambda r: (("dq", r[0], ref_dq), ("dk", r[1], ref_dk), ("dv", r[2], ref_dv)))
             glb.FUSE_DELTA = saved
             print(f"d{D} {name}: triton backward (delta, dK/dV, dQ) {t_tri * 1e3:.1f} us; "
-                  + "; ".join(f"{label[14:]} {t * 1e3:.1f} us" for label, t in library.items()), flush=True)
+                  + "; ".join(f"{label} {t * 1e3:.1f} us" for label, t in library.items()), flush=True)
             # mask tiles of 64 take the library's tiles only
             sweep = args.sweep and vis.block_mask is None
             best_dkdv = min(_timed(f"dK/dV {c}", lambda c=c: dkdv(q, k, v, do, lse, delta, scale, vis, c),
