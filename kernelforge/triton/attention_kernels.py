@@ -258,6 +258,14 @@ def flash_backward_dkdv_kernel(
                 mask=key_ok & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    # float32 ("ieee") dots are chains of FMAs accumulating into dk / dv (Triton folds acc + dot
+    # into the dot): over the whole group, each element would be one chain of GROUP * Sq
+    # roundings, twice PyTorch's error with four heads a group at Sq = 1000 (per-head GEMMs, then
+    # a sum over heads), which the 2x-error rule caught on an H200. Summing each head's chain
+    # into dk_sum / dv_sum keeps the chains as long as PyTorch's; on tensor cores the
+    # accumulators stay single (no registers for a second pair where they are scarcest).
+    dk_sum = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv_sum = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     for g in range(GROUP):
         h = hk * GROUP + g
         q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
@@ -308,6 +316,14 @@ def flash_backward_dkdv_kernel(
                                         offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale,
                                         mask_base, smm, smn, BITS, -1, True, HEAD_DIM, HEAD_DIM_V, True,
                                         HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
+        if PRECISION == "ieee":
+            dk_sum += dk
+            dv_sum += dv
+            dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+            dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    if PRECISION == "ieee":
+        dk = dk_sum
+        dv = dv_sum
     key_ok = offs_n[:, None] < Sk
     tl.store(DK + b.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh + offs_n[:, None] * sdkn + offs_d[None, :],
              (dk * scale).to(DK.dtype.element_ty), mask=key_ok & (offs_d[None, :] < HEAD_DIM))
