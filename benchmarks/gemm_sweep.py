@@ -18,6 +18,7 @@ an epilogue stored in two halves: neither helped on the H200 (results/nvidia-h20
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,10 @@ EXTRA_TMA = [_config(128, 256, 64, 8, 3, group=4), _config(128, 256, 64, 8, 3, g
              _config(256, 128, 64, 8, 3), _config(128, 256, 32, 8, 4)]
 EXTRA_FP8 = [_config(128, 256, 64, 8, 4), _config(128, 128, 256, 8, 3), _config(256, 128, 128, 8, 3),
              _config(128, 256, 128, 8, 3, group=16)]
+# small enough (shared memory: stages x (BLOCK_M + BLOCK_N) x BLOCK_K x 2 bytes + the output
+# tile's staging) that two persistent programs may share an SM
+TWO_PER_SM = [_config(128, 128, 64, 4, 2), _config(128, 128, 64, 4, 3), _config(128, 128, 64, 8, 2),
+              _config(64, 256, 64, 4, 2), _config(128, 128, 32, 4, 4), _config(128, 256, 32, 8, 3)]
 COMPUTE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8"}
 
 
@@ -50,9 +55,11 @@ def _scales(scales, c):
     return sa, sb, sa.stride(0), sb.stride(1), dict(SCALED=True, FP8_PRECISE=precise)
 
 
-def tma_gemm(a, b, bias, activation, config, scales=None):
+def tma_gemm(a, b, bias, activation, config, scales=None, per_sm=1):
     """gemm_tma_kernel at one config; b is the (K, N) operand (a view, either memory order;
-    K-major for fp8); scales: (scale_a (M, 1), scale_b (1, N), precise) for e4m3 operands."""
+    K-major for fp8); scales: (scale_a (M, 1), scale_b (1, N), precise) for e4m3 operands;
+    per_sm: persistent programs an SM (two hide each one's epilogue under the other's K loop,
+    if both fit)."""
     M, K = a.shape
     N = b.shape[1]
     c = torch.empty(M, N, device=a.device, dtype=torch.bfloat16 if scales else a.dtype)
@@ -61,7 +68,7 @@ def tma_gemm(a, b, bias, activation, config, scales=None):
     sa, sb, ssam, ssbn, fp8 = _scales(scales, c)
     kw = dict(config.kwargs)
     _tma_block_shapes(dict(zip(("a_desc", "b_desc", "c_desc"), descriptors), **orders, **kw))
-    sms = _sms(a.device)
+    sms = _sms(a.device) * per_sm
     grid = (min(sms, triton.cdiv(M, kw["BLOCK_M"]) * triton.cdiv(N, kw["BLOCK_N"])),)
     gemm_tma_kernel[grid](*descriptors, bias if bias is not None else c, c, c, sa, sb, M, N, K, 0, 0, 0, 0, ssam,
                           ssbn, triton.next_power_of_2(M), sms, COMPUTE=compute, PRECISION="tf32", **orders,
@@ -99,8 +106,9 @@ def main():
                                                     "128,14336,4096", "16,4096,14336"])
     ap.add_argument("--epilogue", action="store_true", help="also time bias + gelu_tanh fused")
     ap.add_argument("--precise-epilogue", action="store_true", help="no SFU tanh at bf16 outputs")
-    ap.add_argument("--configs", choices=("all", "best"), default="all",
-                    help="best: the 128x256x64 tiles of both kernels only")
+    ap.add_argument("--configs", choices=("all", "best", "two-per-sm"), default="all",
+                    help="best: the 128x256x64 tiles of both kernels only; two-per-sm: TMA tiles small enough "
+                         "for two persistent programs an SM, at one and two an SM")
     ap.add_argument("--fp8", action="store_true", help="e4m3 operands against torch._scaled_mm instead")
     args = ap.parse_args()
     if args.fp8:
@@ -135,6 +143,10 @@ def main():
                 runs += [("tma", tma_gemm, c) for c in CONFIGS_TMA + EXTRA_TMA]
                 if args.configs == "best":
                     runs = [r for r in runs if (r[2].kwargs["BLOCK_M"], r[2].kwargs["BLOCK_N"]) == (128, 256)]
+                if args.configs == "two-per-sm":
+                    runs = [("tma", tma_gemm, CONFIGS_TMA[0])]
+                    runs += [(f"tma{n}/sm", functools.partial(tma_gemm, per_sm=n), c) for c in TWO_PER_SM
+                             for n in (1, 2)]
                 for kind, fn, cfg in runs:
                     kw = cfg.kwargs
                     label = (f"{tag} {layout} {kind} {kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']} g{kw['GROUP_M']} "
