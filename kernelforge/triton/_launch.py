@@ -32,6 +32,18 @@ def warps_for(elements: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def gluon_module(module: str):
+    """kernelforge.triton.<module> (a Gluon kernel's module: attention_gluon, gemm_gluon, ...), or
+    None where this Triton has no Gluon for Hopper; looked up once (import_module costs ~1 us a
+    call)."""
+    import importlib
+    try:
+        return importlib.import_module(f"kernelforge.triton.{module}")
+    except ImportError:
+        return None
+
+
+@functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

@@ -11,14 +11,13 @@ the current CUDA stream of q's device, and on CPU tensors under TRITON_INTERPRET
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from kernelforge.reference.attention import Visibility
 from kernelforge.triton import attention_decode, interpreter_enabled
-from kernelforge.triton._launch import cdiv, device_capability, launch, next_power_of_2, on_device
+from kernelforge.triton._launch import cdiv, device_capability, gluon_module, launch, next_power_of_2, on_device
 from kernelforge.triton.attention_kernels import (backward_delta_kernel, flash_backward_dkdv_kernel,
                                                   flash_backward_dq_kernel, flash_forward_kernel)
 
@@ -159,17 +158,6 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-@functools.lru_cache(maxsize=None)
-def _gluon(module: str):
-    """kernelforge.triton.<module> (attention_gluon, attention_gluon_backward), or None where
-    this Triton has no Gluon for Hopper; looked up once (import_module costs ~1 us a call)."""
-    import importlib
-    try:
-        return importlib.import_module(f"kernelforge.triton.{module}")
-    except ImportError:
-        return None
-
-
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, vis: Visibility):
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     if attention_decode.takes(q, k, vis):  # a few queries, a long cache: split the keys
@@ -177,7 +165,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
                                                _pow2, LOG2E)
     if q.is_cuda and (vis.left is not None or vis.block_mask is not None):
         # a sliding window or a BlockMask on Hopper: the Gluon forward (attention_gluon.py)
-        gluon = _gluon("attention_gluon")
+        gluon = gluon_module("attention_gluon")
         if gluon is not None and gluon.takes(q, k, v, vis, device_capability(q.device)):
             with on_device(q):
                 return gluon.forward(q, k, v, scale, vis)
@@ -213,7 +201,7 @@ def flash_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     B, H, Sq, D = q.shape
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
-    gluon = _gluon("attention_gluon_backward") if q.is_cuda else None  # Hopper: attention_gluon_backward.py
+    gluon = gluon_module("attention_gluon_backward") if q.is_cuda else None  # Hopper: attention_gluon_backward.py
     if gluon is not None and not gluon.takes(grad_out, q, k, v, vis, device_capability(q.device)):
         gluon = None
     with on_device(q):

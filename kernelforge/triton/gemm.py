@@ -7,6 +7,9 @@ more than 64 rows, 16-byte-aligned rows and one unit stride each, goes through T
 descriptors (gemm_tma_kernel); everything else (batches, fp32 / tf32, few rows, odd strides,
 older GPUs) through pointers (gemm_kernel). USE_TMA overrides the choice (True / False;
 None: that rule), so the tests run both kernels, also under Triton's interpreter.
+A third, in Gluon (gemm_gluon.py, warp-specialized: a loader warp and two MMA warpgroups),
+takes plain products (no epilogue) of one 16-bit matrix on sm_90 that fill every SM with
+128 x 256 tiles; USE_GLUON overrides its rule the same way.
 
 Tiles are autotuned on the GPU, once per (M rounded up to a power of two, N, K, operand
 layout, dtypes, epilogue) in a process: a first call at a new shape costs the compiles and
@@ -23,13 +26,16 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernelforge.triton import interpreter_enabled
-from kernelforge.triton._launch import cdiv, device_capability, launch, next_power_of_2, on_device, sm_count
+from kernelforge.triton._launch import (cdiv, device_capability, gluon_module, launch, next_power_of_2, on_device,
+                                        sm_count)
 from kernelforge.triton.gemm_kernels import gemm_kernel, gemm_tma_kernel, round_tf32_kernel
 
 USE_TMA: Optional[bool] = None
+USE_GLUON: Optional[bool] = None  # the Gluon kernel for plain products: None its rule, False never, True any size
 _TMA_MIN_ROWS = 65  # at 16 rows the pointer kernel's 16-row tiles win (benchmarks/gemm_sweep.py)
 _PRECISION = {"fp32": "ieee", "tf32": "tf32", "fp16": "tf32", "bf16": "tf32", "fp8": "tf32"}  # not fp32: ignored
 _FP8 = torch.float8_e4m3fn
+_COMPUTE_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}  # 16-bit operands the tensor cores take as they are
 _OPERAND_BITS = {"fp8": 8, "fp16": 16, "bf16": 16, "fp32": 32, "tf32": 32}
 
 
@@ -204,6 +210,16 @@ def _tma_operands(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, compute: 
     return (found["a"], found["b"], out_desc), {k: found[k] for k in ("A_K_CONTIGUOUS", "B_N_CONTIGUOUS")}
 
 
+def _take_gluon(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
+    """A plain product of one matrix on Hopper: the warp-specialized Gluon kernel
+    (gemm_gluon.py) where it takes it (USE_GLUON True: whatever its size)."""
+    if USE_GLUON is False or interpreter_enabled() or a.device.type != "cuda":
+        return False
+    gluon = gluon_module("gemm_gluon")
+    return gluon is not None and gluon.takes(a, b, out, True, device_capability(a.device), sm_count(a.device),
+                                             any_size=USE_GLUON is True)
+
+
 def _take_tma(a: torch.Tensor) -> bool:
     if USE_TMA is not None:
         return USE_TMA
@@ -266,6 +282,11 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residua
     batch, M, K = a.shape
     N = b.shape[2]
     out = torch.empty(batch, M, N, dtype=out_dtype, device=a.device)
+    plain = activation is None and bias is None and residual is None and not save_preact and not scaled
+    if batch == 1 and plain and _COMPUTE_DTYPE.get(compute) == a.dtype and _take_gluon(a[0], b[0], out[0]):
+        with on_device(a):
+            gluon_module("gemm_gluon").gemm_into(a[0], b[0], out[0], sm_count(a.device))
+        return out, None
     preact = torch.empty_like(out) if save_preact else None
     epilogue = dict(ACTIVATION=activation or "none", HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
                     SAVE_PREACT=save_preact, PRECISE=not interpreter_enabled(),
