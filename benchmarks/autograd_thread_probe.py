@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernelforge.bench.timing import CallInBackward
+
 
 @triton.jit
 def _touch(X):
@@ -66,40 +68,34 @@ def profile_launches(into: dict, where: str):
     into[where] = out.getvalue()
 
 
-class Probe(torch.autograd.Function):
-    """The backward runs `job(where)` once: it times / profiles there."""
-    @staticmethod
-    def forward(ctx, x, job):
-        ctx.job = job
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
+def _in_backward_named(job):
+    """job(where) with where naming the thread the backward runs on."""
+    def call():
         on_main = threading.current_thread() is threading.main_thread()
-        ctx.job("backward, calling thread" if on_main else "backward, autograd thread")
-        return grad, None
+        job("backward, calling thread" if on_main else "backward, autograd thread")
+    return call
 
 
 def in_backward(job, multithreading: bool):
     x = torch.zeros(4, device="cuda", requires_grad=True)
     with torch.autograd.set_multithreading_enabled(multithreading):
-        Probe.apply(x, job).sum().backward()
+        CallInBackward.apply(x, _in_backward_named(job)).sum().backward()
 
 
 def step_time(backward_launches: int, multithreading: bool, steps: int = 300) -> float:
     """us per forward+backward step whose backward makes `backward_launches` bare launches."""
-    def job(_where):
+    def job():
         for _ in range(backward_launches):
             _touch[(1,)](X)
 
     x = torch.zeros(4, device="cuda", requires_grad=True)
     with torch.autograd.set_multithreading_enabled(multithreading):
         for _ in range(20):
-            Probe.apply(x, job).sum().backward()
+            CallInBackward.apply(x, job).sum().backward()
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(steps):
-            Probe.apply(x, job).sum().backward()
+            CallInBackward.apply(x, job).sum().backward()
         torch.cuda.synchronize()
     return (time.perf_counter() - start) / steps * 1e6
 

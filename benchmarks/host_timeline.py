@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 import kernelforge as kf
-from kernelforge.bench.timing import wall_us_per_call
+from kernelforge.bench.timing import CallInBackward, wall_us_per_call
 
 _TABLE: dict = collections.defaultdict(lambda: [0, 0])  # (thread kind, name) -> [calls, ns]
 _MAIN = threading.main_thread().ident
@@ -181,23 +181,11 @@ def decode():
     print(f"   in a CUDA graph: kf.flash_attention {graph_us(ours):.1f} us, SDPA {graph_us(sdpa):.1f} us a replay")
 
 
-class _PinBackwardThread(torch.autograd.Function):
-    """Sets the CPU affinity of whichever thread runs its backward (autograd's CUDA device thread)."""
-
-    @staticmethod
-    def forward(ctx, x, cpus):
-        ctx.cpus = cpus
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        os.sched_setaffinity(0, ctx.cpus)  # pid 0: the calling thread only
-        return g, None
-
-
 def _pin(main_cpus, device_cpus):
     x = torch.zeros(4, device="cuda", requires_grad=True)
-    torch.autograd.grad(_PinBackwardThread.apply(x, device_cpus), x, torch.ones_like(x))
+    # pid 0 in sched_setaffinity: the calling thread only, here autograd's device thread
+    torch.autograd.grad(CallInBackward.apply(x, lambda: os.sched_setaffinity(0, device_cpus)), x,
+                        torch.ones_like(x))
     os.sched_setaffinity(0, main_cpus)
 
 

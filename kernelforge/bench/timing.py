@@ -173,3 +173,19 @@ def compare_implementations(implementations: dict, *inputs, warmup: int = 10, re
         except Exception as err:  # a failing implementation is a result too
             results[name] = {"error": f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"}
     return results
+
+
+class CallInBackward(torch.autograd.Function):
+    """y = x.clone() whose backward calls `job()` on whichever thread runs it (autograd's device
+    thread for CUDA tensors, unless multithreading is off): host-time probes time, profile or
+    pin that thread from inside a backward (benchmarks/autograd_thread_probe.py, host_timeline.py)."""
+
+    @staticmethod
+    def forward(ctx, x, job):
+        ctx.job = job
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.job()
+        return grad, None

@@ -216,7 +216,7 @@ def _take_gluon(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
     if USE_GLUON is False or interpreter_enabled() or a.device.type != "cuda":
         return False
     gluon = gluon_module("gemm_gluon")
-    return gluon is not None and gluon.takes(a, b, out, True, device_capability(a.device), sm_count(a.device),
+    return gluon is not None and gluon.takes(a, b, out, device_capability(a.device), sm_count(a.device),
                                              any_size=USE_GLUON is True)
 
 

@@ -167,13 +167,13 @@ def _tma_readable(t: torch.Tensor, unit_dim: int) -> bool:
             and t.stride(other) >= t.shape[unit_dim])
 
 
-def takes(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, plain: bool, capability, sms: int,
-          any_size: bool = False) -> bool:
+def takes(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, capability, sms: int, any_size: bool = False) -> bool:
     """Whether gemm_ws_kernel computes out = a @ b (a (M, K), b (K, N), out (M, N), one matrix):
-    sm_90 (wgmma), 16-bit operands and output of one dtype, no epilogue (`plain`), a and b
-    either way round, all TMA-readable; and (unless any_size) enough 128 x 256
-    tiles to give every SM one: smaller products keep the Triton kernels' smaller tiles."""
-    if tuple(capability)[0] != 9 or not plain or a.dtype not in DTYPES or not a.dtype == b.dtype == out.dtype:
+    sm_90 (wgmma), 16-bit operands and output of one dtype, a and b either way round, all
+    TMA-readable; and (unless any_size) enough 128 x 256 tiles to give every SM one: smaller
+    products keep the Triton kernels' smaller tiles. The kernel has no epilogue: the caller
+    sends plain products only."""
+    if tuple(capability)[0] != 9 or a.dtype not in DTYPES or not a.dtype == b.dtype == out.dtype:
         return False
     if not ((_tma_readable(a, 1) or _tma_readable(a, 0)) and (_tma_readable(b, 1) or _tma_readable(b, 0))
             and _tma_readable(out, 1)):

@@ -29,6 +29,18 @@ def test_statistics_of_a_function_with_known_cost():
     assert 2000 <= wall_us_per_call(lambda: time.sleep(0.002), calls=10, warmup=1, device="cpu") < 8000
 
 
+def test_call_in_backward_runs_its_job_there_and_passes_the_gradient():
+    from kernelforge.bench.timing import CallInBackward
+
+    calls = []
+    x = torch.randn(5, requires_grad=True)
+    y = CallInBackward.apply(x, lambda: calls.append(torch.is_grad_enabled()))
+    assert torch.equal(y, x) and not calls  # nothing runs in the forward
+    grad = torch.randn(5)
+    (gx,) = torch.autograd.grad(y, x, grad)
+    assert calls == [False] and torch.equal(gx, grad)
+
+
 def test_compare_implementations_reports_failures():
     def broken(x):
         raise RuntimeError("no kernel for you\nsecond line")
