@@ -8,8 +8,9 @@ descriptors (gemm_tma_kernel); everything else (batches, fp32 / tf32, few rows, 
 older GPUs) through pointers (gemm_kernel). USE_TMA overrides the choice (True / False;
 None: that rule), so the tests run both kernels, also under Triton's interpreter.
 A third, in Gluon (gemm_gluon.py, warp-specialized: a loader warp and two MMA warpgroups),
-takes plain products (no epilogue) of one 16-bit matrix on sm_90 that fill every SM with
-128 x 256 tiles; USE_GLUON overrides its rule the same way.
+takes one matrix of 16-bit or e4m3 operands on sm_90, with any epilogue, when its tiles
+(128 x 256; 128 x 128 for fp8 with the float32 promotion) give every SM one; USE_GLUON
+overrides its rule the same way.
 
 Tiles are autotuned on the GPU, once per (M rounded up to a power of two, N, K, operand
 layout, dtypes, epilogue) in a process: a first call at a new shape costs the compiles and
@@ -210,13 +211,15 @@ def _tma_operands(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, compute: 
     return (found["a"], found["b"], out_desc), {k: found[k] for k in ("A_K_CONTIGUOUS", "B_N_CONTIGUOUS")}
 
 
-def _take_gluon(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
-    """A plain product of one matrix on Hopper: the warp-specialized Gluon kernel
-    (gemm_gluon.py) where it takes it (USE_GLUON True: whatever its size)."""
+def _take_gluon(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: Optional[torch.Tensor],
+                residual: Optional[torch.Tensor], fast_accum: bool) -> bool:
+    """One matrix on Hopper: the warp-specialized Gluon kernel (gemm_gluon.py) where it takes
+    it (USE_GLUON True: whatever its size)."""
     if USE_GLUON is False or interpreter_enabled() or a.device.type != "cuda":
         return False
     gluon = gluon_module("gemm_gluon")
     return gluon is not None and gluon.takes(a, b, out, device_capability(a.device), sm_count(a.device),
+                                             bias=bias, residual=residual, fast_accum=fast_accum,
                                              any_size=USE_GLUON is True)
 
 
@@ -274,6 +277,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residua
          scale_a: Optional[torch.Tensor] = None, scale_b: Optional[torch.Tensor] = None, fast_accum: bool = False
          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     scaled = compute == "fp8"
+    if bias is not None:  # the kernels read bias[n] at n (no stride); a copy of N elements where needed
+        bias = bias.contiguous()
     if scaled:
         a, b = _k_major(a, b)
     elif compute == "tf32" and a.shape[0] == b.shape[0] == 1 and _take_tf32_tma(a, b):
@@ -282,12 +287,15 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residua
     batch, M, K = a.shape
     N = b.shape[2]
     out = torch.empty(batch, M, N, dtype=out_dtype, device=a.device)
-    plain = activation is None and bias is None and residual is None and not save_preact and not scaled
-    if batch == 1 and plain and _COMPUTE_DTYPE.get(compute) == a.dtype and _take_gluon(a[0], b[0], out[0]):
-        with on_device(a):
-            gluon_module("gemm_gluon").gemm_into(a[0], b[0], out[0], sm_count(a.device))
-        return out, None
     preact = torch.empty_like(out) if save_preact else None
+    if (batch == 1 and (scaled or _COMPUTE_DTYPE.get(compute) == a.dtype)
+            and _take_gluon(a[0], b[0], out[0], bias, None if residual is None else residual[0], fast_accum)):
+        first = {name: None if t is None else t[0] for name, t in
+                 (("residual", residual), ("preact", preact), ("scale_a", scale_a), ("scale_b", scale_b))}
+        with on_device(a):
+            gluon_module("gemm_gluon").gemm_into(a[0], b[0], out[0], sm_count(a.device), bias=bias,
+                                                 activation=activation, fast_accum=fast_accum, **first)
+        return out, preact
     epilogue = dict(ACTIVATION=activation or "none", HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
                     SAVE_PREACT=save_preact, PRECISE=not interpreter_enabled(),
                     BF16_OUT=out_dtype == torch.bfloat16 and not interpreter_enabled(), SCALED=scaled,

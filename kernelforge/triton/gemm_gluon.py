@@ -1,18 +1,23 @@
-"""Hopper GEMM in Gluon with warp specialization: c = a @ b, 16-bit operands (experimental).
+"""Hopper GEMM in Gluon with warp specialization: c = act(a @ b * scales + bias) + residual,
+16-bit or e4m3 operands, one matrix.
 
 Why a second GEMM next to gemm_kernels.gemm_tma_kernel: Triton 3.6's persistent TMA kernel
-reaches 0.93-0.97x cuBLAS at 4096^3 on an H200, and no tile, stage count or programs-an-SM
-closes the gap (benchmarks/results/nvidia-h200/gemm/sweep/). There the same warps issue
-the TMA loads, wait for them, run the MMAs and the epilogue. Here, as cuBLAS's Hopper
-kernels do, one loader warp only streams A and B tiles through a ring of shared-memory
-stages (TMA, mbarrier completion), and two consumer warpgroups only multiply (async wgmma,
-one group in flight) and store: a stage is handed back to the loader as soon as the MMA
-that read it retires, and the loader runs ahead into the next tile while the consumers run
-the epilogue, whose TMA store in turn drains under the next tile's K loop.
+reaches 0.93-0.97x cuBLAS at 4096^3 on an H200 (bf16), 0.79-0.85x torch._scaled_mm for fp8
+with cuBLAS's float32 promotion, and no tile, stage count or programs-an-SM closes the gap
+(benchmarks/results/nvidia-h200/gemm/sweep/). There the same warps issue the TMA loads, wait
+for them, run the MMAs and the epilogue. Here, as cuBLAS's Hopper kernels do, one loader warp
+only streams A and B tiles through a ring of shared-memory stages (TMA, mbarrier completion),
+and two consumer warpgroups only multiply (async wgmma) and run the epilogue: a stage is
+handed back to the loader as soon as the MMA that read it retires, and the loader runs ahead
+into the next tile while the consumers run the epilogue, whose TMA store in turn drains
+under the next tile's K loop. For fp8 the consumers add each K tile's partial product into a
+float32 accumulator while the tensor cores compute the next one (_accumulate_promoted).
 
 Work per output tile (BLOCK_M x BLOCK_N): 2 * BLOCK_M * BLOCK_N * K FLOPs; bytes: A's
 BLOCK_M x K and B's K x BLOCK_N panels (from L2 for all but the first tile of a group:
-GROUP_M tile rows walk one column panel of b, as gemm_kernels._tile_coordinates), c once.
+GROUP_M tile rows walk one column panel of b, as gemm_kernels._tile_coordinates), c once;
+with the epilogue + BLOCK_N of bias, + BLOCK_M + BLOCK_N scales (fp8), + the residual tile
+read and the pre-activation tile written (the backward's act' input).
 """
 from __future__ import annotations
 
@@ -24,8 +29,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernelforge.triton._launch import cdiv, launch
+from kernelforge.triton.activations import _activation, _activation_for_bf16
 
-DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+FP8 = torch.float8_e4m3fn
+DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, FP8: gl.float8e4nv, torch.float32: gl.float32}
+OPERAND_DTYPES = (torch.bfloat16, torch.float16, FP8)
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # of e4m3 products
+SHARED_BYTES = 227 * 1024 - 1024  # what one program may take on an H100 / H200, less the barriers
 LOADER_REGISTERS = gl.constexpr(40)  # the loader warp only computes coordinates: the rest go to the consumers
 
 
@@ -70,73 +80,212 @@ def _loader(a_desc, b_desc, a_ring, b_ring, ready, empty, tiles_m, tiles_n, k_ti
 
 
 @gluon.jit
-def _consumer(c_desc, a_ring, b_ring, ready, empty, c_smem, tiles_m, tiles_n, k_tiles,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-              A_M_MAJOR: gl.constexpr, B_K_MAJOR: gl.constexpr, num_warps: gl.constexpr):
-    """The consumer warpgroups: per tile, the K loop of async wgmma (one group in flight; the
-    stage of the group that retired goes back to the loader), then c through shared memory
-    by TMA, left draining under the next tile's K loop."""
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
-    step = 0
-    for tile in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coordinates(tile, tiles_m, tiles_n, GROUP_M)
-        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
-        previous = 0
-        for kk in range(k_tiles):
-            stage = step % STAGES
-            mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
-            if A_M_MAJOR:
-                a = a_ring.index(stage).permute((1, 0))
-            else:
-                a = a_ring.index(stage)
-            if B_K_MAJOR:
-                b = b_ring.index(stage).permute((1, 0))
-            else:
-                b = b_ring.index(stage)
-            acc = warpgroup_mma(a, b, acc, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=(acc,))
-            # the group issued one step ago has retired: its stage is free
-            mbarrier.arrive(empty.index(previous), count=1, pred=kk > 0)
-            previous = stage
-            step += 1
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(empty.index(previous), count=1)
-        tma.store_wait(0)  # the last tile's store has left c_smem
+def _operands(a_ring, b_ring, stage, A_M_MAJOR: gl.constexpr, B_K_MAJOR: gl.constexpr):
+    """The shared-memory views of one ring stage as (BLOCK_M, BLOCK_K) and (BLOCK_K, BLOCK_N)."""
+    if A_M_MAJOR:
+        a = a_ring.index(stage).permute((1, 0))
+    else:
+        a = a_ring.index(stage)
+    if B_K_MAJOR:
+        b = b_ring.index(stage).permute((1, 0))
+    else:
+        b = b_ring.index(stage)
+    return a, b
+
+
+@gluon.jit
+def _accumulate(a_ring, b_ring, ready, empty, step, k_tiles, acc_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, A_M_MAJOR: gl.constexpr, B_K_MAJOR: gl.constexpr):
+    """(a @ b of one tile in float32, the next step): async wgmma into one accumulator, one
+    group in flight; the stage of the group that retired goes back to the loader."""
+    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+    previous = 0
+    for kk in range(k_tiles):
+        stage = step % STAGES
+        mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+        a, b = _operands(a_ring, b_ring, stage, A_M_MAJOR, B_K_MAJOR)
+        acc = warpgroup_mma(a, b, acc, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=(acc,))
+        # the group issued one step ago has retired: its stage is free
+        mbarrier.arrive(empty.index(previous), count=1, pred=kk > 0)
+        previous = stage
+        step += 1
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(empty.index(previous), count=1)
+    return acc, step
+
+
+@gluon.jit
+def _issue_partial(a_ring, b_ring, ready, step, partial, STAGES: gl.constexpr, A_M_MAJOR: gl.constexpr,
+                   B_K_MAJOR: gl.constexpr):
+    """The products of ring step `step` into `partial` (its old value ignored), asynchronously."""
+    stage = step % STAGES
+    mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+    a, b = _operands(a_ring, b_ring, stage, A_M_MAJOR, B_K_MAJOR)
+    return warpgroup_mma(a, b, partial, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _promote(acc, partial, empty, step, STAGES: gl.constexpr, PENDING: gl.constexpr):
+    """(acc + the partial of ring step `step` once its group retired (PENDING newer groups may
+    stay in flight), that partial's registers for the next MMA); its stage goes back to the
+    loader."""
+    partial = warpgroup_mma_wait(PENDING, deps=(partial,))
+    mbarrier.arrive(empty.index(step % STAGES), count=1)
+    return acc + partial, partial
+
+
+@gluon.jit
+def _sum_of(acc, partial, empty, step, STAGES: gl.constexpr, PENDING: gl.constexpr):
+    """_promote's sum alone (the partial is not needed again)."""
+    total, _ = _promote(acc, partial, empty, step, STAGES, PENDING)
+    return total
+
+
+@gluon.jit
+def _accumulate_promoted(a_ring, b_ring, ready, empty, step, k_tiles, acc_layout: gl.constexpr,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                         A_M_MAJOR: gl.constexpr, B_K_MAJOR: gl.constexpr):
+    """_accumulate for e4m3 at cuBLAS's accuracy: Hopper's fp8 wgmma adds its products into
+    the accumulator at reduced precision (about 14 mantissa bits), so each K tile (BLOCK_K <=
+    128 products an output, cuBLAS's promotion interval) goes into a fresh partial that the
+    CUDA cores add to the float32 acc. Two partials alternate, so one K tile's MMAs run while
+    the last one's partial is added: the addition (one FADD an element a tile) hides under
+    the tensor cores. The loop takes K tiles in pairs with fixed roles, so no in-flight
+    accumulator is ever copied (a copy would make ptxas serialize the wgmmas)."""
+    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+    even = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+    odd = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+    first = step
+    even = _issue_partial(a_ring, b_ring, ready, step, even, STAGES, A_M_MAJOR, B_K_MAJOR)
+    step += 1
+    for pair in range((k_tiles - 1) // 2):  # K tiles 1 + 2i (odd) and 2 + 2i (even)
+        odd = _issue_partial(a_ring, b_ring, ready, step, odd, STAGES, A_M_MAJOR, B_K_MAJOR)
+        acc, even = _promote(acc, even, empty, step - 1, STAGES, 1)
+        even = _issue_partial(a_ring, b_ring, ready, step + 1, even, STAGES, A_M_MAJOR, B_K_MAJOR)
+        acc, odd = _promote(acc, odd, empty, step, STAGES, 1)
+        step += 2
+    if (step - first) < k_tiles:  # an even count of K tiles: the last one is odd
+        last = _issue_partial(a_ring, b_ring, ready, step, odd, STAGES, A_M_MAJOR, B_K_MAJOR)
+        acc = _sum_of(acc, even, empty, step - 1, STAGES, 1)
+        acc = _sum_of(acc, last, empty, step, STAGES, 0)
+        step += 1
+    else:
+        acc = _sum_of(acc, even, empty, step - 1, STAGES, 0)
+    return acc, step
+
+
+@gluon.jit
+def _epilogue(acc, off_m, off_n, c_desc, c_smem, res_desc, pre_desc, res_ready, res_phase, BIAS, SA, SB, M, N,
+              ssam, ssbn, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
+              SAVE_PREACT: gl.constexpr, SCALED: gl.constexpr, PRECISE: gl.constexpr, BF16_OUT: gl.constexpr):
+    """c = act(acc * scales + bias) + residual of one tile, out through c_smem by TMA (left
+    draining: the next tile's K loop hides it). The same math as gemm_kernels._epilogue. Bytes
+    beyond the product: the bias slice (BLOCK_N), the residual tile read by TMA into c_smem
+    (its latency shows once a tile), the pre-activation tile written through c_smem before c
+    (the backward's act' input)."""
+    layout: gl.constexpr = acc.type.layout
+    BLOCK_M: gl.constexpr = acc.type.shape[0]
+    BLOCK_N: gl.constexpr = acc.type.shape[1]
+    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    if SCALED:
+        offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        scale_a = gl.load(SA + offs_m * ssam, mask=offs_m < M, other=0.0)
+        scale_b = gl.load(SB + offs_n * ssbn, mask=offs_n < N, other=0.0)
+        acc = acc * gl.expand_dims(scale_a, 1) * gl.expand_dims(scale_b, 0)
+    tma.store_wait(0)  # the last tile's store has left c_smem
+    if SAVE_PREACT:
         c_smem.store(acc.to(c_desc.dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], c_smem)
+        tma.async_copy_shared_to_global(pre_desc, [off_m, off_n], c_smem)
+    z = acc
+    if HAS_BIAS:
+        bias = gl.load(BIAS + offs_n, mask=offs_n < N, other=0.0)
+        z = z + gl.expand_dims(bias.to(gl.float32), 0)
+    if BF16_OUT and ACTIVATION != "none":
+        z = _activation_for_bf16(z, ACTIVATION, PRECISE)
+    elif ACTIVATION != "none":
+        z = _activation(z, ACTIVATION, PRECISE)
+    if HAS_RESIDUAL:
+        tma.store_wait(0)  # the pre-activation has left c_smem
+        mbarrier.expect(res_ready, res_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(res_desc, [off_m, off_n], res_ready, c_smem)
+        mbarrier.wait(res_ready, res_phase)
+        # each thread reads the elements it then writes: no barrier between load and store
+        z = z + c_smem.load(layout).to(gl.float32)
+    elif SAVE_PREACT:
+        tma.store_wait(0)
+    c_smem.store(z.to(c_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+
+
+@gluon.jit
+def _consumer(c_desc, res_desc, pre_desc, a_ring, b_ring, ready, empty, res_ready, c_smem, BIAS, SA, SB, M, N,
+              ssam, ssbn, tiles_m, tiles_n, k_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              GROUP_M: gl.constexpr, STAGES: gl.constexpr, A_M_MAJOR: gl.constexpr, B_K_MAJOR: gl.constexpr,
+              PROMOTE: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
+              SAVE_PREACT: gl.constexpr, SCALED: gl.constexpr, PRECISE: gl.constexpr, BF16_OUT: gl.constexpr,
+              num_warps: gl.constexpr):
+    """The consumer warpgroups: per tile, the K loop of async wgmma, then the epilogue."""
+    # wgmma's K step: 32 bytes of operands (16 bf16 / fp16, 32 e4m3)
+    instr_k: gl.constexpr = 256 // a_ring.dtype.primitive_bitwidth
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_N, instr_k])
+    step = 0
+    done = 0
+    for tile in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coordinates(tile, tiles_m, tiles_n, GROUP_M)
+        if PROMOTE:
+            acc, step = _accumulate_promoted(a_ring, b_ring, ready, empty, step, k_tiles, acc_layout, BLOCK_M,
+                                             BLOCK_N, STAGES, A_M_MAJOR, B_K_MAJOR)
+        else:
+            acc, step = _accumulate(a_ring, b_ring, ready, empty, step, k_tiles, acc_layout, BLOCK_M, BLOCK_N,
+                                    STAGES, A_M_MAJOR, B_K_MAJOR)
+        _epilogue(acc, pid_m * BLOCK_M, pid_n * BLOCK_N, c_desc, c_smem, res_desc, pre_desc, res_ready, done & 1,
+                  BIAS, SA, SB, M, N, ssam, ssbn, ACTIVATION, HAS_BIAS, HAS_RESIDUAL, SAVE_PREACT, SCALED, PRECISE,
+                  BF16_OUT)
+        done += 1
     tma.store_wait(0)
 
 
 @gluon.jit
-def gemm_ws_kernel(a_desc, b_desc, c_desc, M, N, K, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                   A_M_MAJOR: gl.constexpr, B_K_MAJOR: gl.constexpr, num_warps: gl.constexpr):
-    """Persistent: program p takes tiles p, p + programs, ... (grouped order)."""
+def gemm_ws_kernel(a_desc, b_desc, c_desc, res_desc, pre_desc, BIAS, SA, SB, M, N, K, ssam, ssbn,
+                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, A_M_MAJOR: gl.constexpr, B_K_MAJOR: gl.constexpr,
+                   PROMOTE: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr,
+                   HAS_RESIDUAL: gl.constexpr, SAVE_PREACT: gl.constexpr, SCALED: gl.constexpr,
+                   PRECISE: gl.constexpr, BF16_OUT: gl.constexpr, num_warps: gl.constexpr):
+    """Persistent: program p takes tiles p, p + programs, ... (grouped order). res_desc and
+    pre_desc (the residual read, the pre-activation written) and the BIAS / SA / SB pointers
+    are only touched under their flags (the caller passes c's where they are not given)."""
     BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = b_desc.block_type.shape[1] if B_K_MAJOR else b_desc.block_type.shape[0]
-    dtype: gl.constexpr = a_desc.dtype
-    a_ring = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_ring = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
+    a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    res_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for st in gl.static_range(STAGES):
         mbarrier.init(ready.index(st), count=1)
         mbarrier.init(empty.index(st), count=1)
+    mbarrier.init(res_ready, count=1)
     tiles_m = gl.cdiv(M, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
     gl.warp_specialize([
-        (_consumer, (c_desc, a_ring, b_ring, ready, empty, c_smem, tiles_m, tiles_n, k_tiles, BLOCK_M, BLOCK_N,
-                     GROUP_M, STAGES, A_M_MAJOR, B_K_MAJOR, num_warps)),
+        (_consumer, (c_desc, res_desc, pre_desc, a_ring, b_ring, ready, empty, res_ready, c_smem, BIAS, SA, SB, M, N,
+                     ssam, ssbn, tiles_m, tiles_n, k_tiles, BLOCK_M, BLOCK_N, GROUP_M, STAGES, A_M_MAJOR, B_K_MAJOR,
+                     PROMOTE, ACTIVATION, HAS_BIAS, HAS_RESIDUAL, SAVE_PREACT, SCALED, PRECISE, BF16_OUT,
+                     num_warps)),
         (_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, tiles_m, tiles_n, k_tiles, BLOCK_M, BLOCK_N,
                    BLOCK_K, GROUP_M, STAGES, A_M_MAJOR, B_K_MAJOR)),
     ], [1], [LOADER_REGISTERS])
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(st))
         mbarrier.invalidate(empty.index(st))
+    mbarrier.invalidate(res_ready)
 
 
 def _descriptor(t: torch.Tensor, block: list) -> TensorDescriptor:
@@ -144,19 +293,57 @@ def _descriptor(t: torch.Tensor, block: list) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block, layout)
 
 
-def arguments(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, block_m: int = 128, block_n: int = 256,
-              block_k: int = 64, group_m: int = 8, stages: int = 3):
-    """(positional arguments, constexprs) of gemm_ws_kernel for out = a @ b: a (M, K) and b (K, N)
-    either way round (rows where TMA can read them so, else their transposes' rows: a Linear
-    weight's transpose reads K-major), out (M, N) row-major."""
+def tile(a_dtype: torch.dtype, out_dtype: torch.dtype, promote: bool, epilogue_reads: bool) -> dict:
+    """block_m, block_n, block_k: 128 x 256 tiles with K tiles of 128 bytes (64 bf16 / fp16,
+    128 e4m3); 128 x 128 for fp8 with the float32 promotion (its three 128 x N float32 register
+    tiles, the accumulator and two partials, would not fit at N = 256), for a float32 output
+    (whose 128 x 256 tile leaves shared memory for two stages and spills registers), and for
+    fp8 with a bias or residual to read (next to the column scales they spill 96-640 bytes at
+    128 x 256)."""
+    narrow = promote or out_dtype.itemsize == 4 or (a_dtype == FP8 and epilogue_reads)
+    return dict(block_m=128, block_n=128 if narrow else 256, block_k=128 // a_dtype.itemsize)
+
+
+def _stages(block_m, block_n, block_k, a_dtype, out_dtype, most: int = 6) -> int:
+    """As many ring stages as the shared memory holds next to the output tile, at most `most`
+    (the H200 experiment, benchmarks/gluon_gemm_experiment.py: 3 at 128 x 256, all there is
+    room for; fp8 promoted at 128 x 128 x 128 0.97-1.02x torch._scaled_mm with 4, 1.01-1.02x
+    with 6)."""
+    stage = (block_m + block_n) * block_k * a_dtype.itemsize
+    return min(most, (SHARED_BYTES - block_m * block_n * out_dtype.itemsize) // stage)
+
+
+def arguments(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias=None, residual=None, preact=None,
+              scale_a=None, scale_b=None, activation=None, fast_accum: bool = False, block_m: int = 128,
+              block_n: int = None, block_k: int = None, group_m: int = 8, stages: int = None):
+    """(positional arguments, constexprs) of gemm_ws_kernel for out = act(a @ b * scales + bias)
+    + residual, preact = a @ b * scales: a (M, K) and b (K, N) either way round (rows where
+    TMA can read them so, else their transposes' rows: a Linear weight's transpose reads
+    K-major; e4m3 both K-major only), out, residual and preact (M, N) row-major, bias (N,),
+    scale_a (M,) and scale_b (N,) float32 (stride 0: one scale)."""
     M, K = a.shape
     N = b.shape[1]
+    scaled = a.dtype == FP8
+    promote = scaled and not fast_accum
+    default = tile(a.dtype, out.dtype, promote, bias is not None or residual is not None)
+    block_n = block_n or default["block_n"]
+    block_k = block_k or default["block_k"]
+    stages = stages or _stages(block_m, block_n, block_k, a.dtype, out.dtype)
     a_m_major = not _tma_readable(a, 1)
     b_k_major = not _tma_readable(b, 1)
     a_desc = _descriptor(a.t(), [block_k, block_m]) if a_m_major else _descriptor(a, [block_m, block_k])
     b_desc = _descriptor(b.t(), [block_n, block_k]) if b_k_major else _descriptor(b, [block_k, block_n])
-    values = (a_desc, b_desc, _descriptor(out, [block_m, block_n]), M, N, K)
-    return values, dict(GROUP_M=group_m, STAGES=stages, A_M_MAJOR=a_m_major, B_K_MAJOR=b_k_major, num_warps=8)
+    c_desc = _descriptor(out, [block_m, block_n])
+    res_desc = c_desc if residual is None else _descriptor(residual, [block_m, block_n])
+    pre_desc = c_desc if preact is None else _descriptor(preact, [block_m, block_n])
+    pointers = [t if t is not None else out for t in (bias, scale_a, scale_b)]
+    values = (a_desc, b_desc, c_desc, res_desc, pre_desc, *pointers, M, N, K,
+              scale_a.stride(0) if scaled else 0, scale_b.stride(0) if scaled else 0)
+    constexprs = dict(GROUP_M=group_m, STAGES=stages, A_M_MAJOR=a_m_major, B_K_MAJOR=b_k_major, PROMOTE=promote,
+                      ACTIVATION=activation or "none", HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+                      SAVE_PREACT=preact is not None, SCALED=scaled, PRECISE=True,
+                      BF16_OUT=out.dtype == torch.bfloat16, num_warps=8)
+    return values, constexprs
 
 
 def _tma_readable(t: torch.Tensor, unit_dim: int) -> bool:
@@ -167,38 +354,62 @@ def _tma_readable(t: torch.Tensor, unit_dim: int) -> bool:
             and t.stride(other) >= t.shape[unit_dim])
 
 
-def takes(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, capability, sms: int, any_size: bool = False) -> bool:
-    """Whether gemm_ws_kernel computes out = a @ b (a (M, K), b (K, N), out (M, N), one matrix):
-    sm_90 (wgmma), 16-bit operands and output of one dtype, a and b either way round, all
-    TMA-readable; and (unless any_size) enough 128 x 256 tiles to give every SM one: smaller
-    products keep the Triton kernels' smaller tiles. The kernel has no epilogue: the caller
-    sends plain products only."""
-    if tuple(capability)[0] != 9 or a.dtype not in DTYPES or not a.dtype == b.dtype == out.dtype:
+def takes(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, capability, sms: int, bias=None, residual=None,
+          fast_accum: bool = False, any_size: bool = False) -> bool:
+    """Whether gemm_ws_kernel computes out = a @ b (a (M, K), b (K, N), out (M, N), one matrix,
+    with any epilogue): sm_90 (wgmma); 16-bit operands with out in their dtype, or e4m3 ones
+    (K-major: the caller's _k_major made them so) with a 16-bit or float32 out that fits the
+    shared memory; a and b either way round, all TMA-readable, a residual too (in out's dtype);
+    and (unless any_size) enough tiles to give every SM one: smaller products keep the Triton
+    kernels' smaller tiles."""
+    if tuple(capability)[0] != 9 or a.dtype not in OPERAND_DTYPES or a.dtype != b.dtype:
         return False
-    if not ((_tma_readable(a, 1) or _tma_readable(a, 0)) and (_tma_readable(b, 1) or _tma_readable(b, 0))
-            and _tma_readable(out, 1)):
+    if a.dtype == FP8:
+        if out.dtype not in OUT_DTYPES or not (_tma_readable(a, 1) and _tma_readable(b, 0)):
+            return False
+    elif out.dtype != a.dtype or not ((_tma_readable(a, 1) or _tma_readable(a, 0))
+                                      and (_tma_readable(b, 1) or _tma_readable(b, 0))):
+        return False
+    if not _tma_readable(out, 1) or (residual is not None and not (residual.dtype == out.dtype
+                                                                   and _tma_readable(residual, 1))):
+        return False
+    config = tile(a.dtype, out.dtype, a.dtype == FP8 and not fast_accum, bias is not None or residual is not None)
+    if _stages(config["block_m"], config["block_n"], config["block_k"], a.dtype, out.dtype) < 2:
         return False
     M, N = out.shape
-    return any_size or cdiv(M, 128) * cdiv(N, 256) >= sms
+    return any_size or cdiv(M, config["block_m"]) * cdiv(N, config["block_n"]) >= sms
 
 
-def gemm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sms: int, **config) -> torch.Tensor:
-    """out = a @ b by gemm_ws_kernel (what `takes` accepts), `sms` persistent programs at most."""
-    values, constexprs = arguments(a, b, out, **config)
-    tiles = cdiv(a.shape[0], config.get("block_m", 128)) * cdiv(b.shape[1], config.get("block_n", 256))
+def gemm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sms: int, **options) -> torch.Tensor:
+    """out = act(a @ b * scales + bias) + residual by gemm_ws_kernel (what `takes` accepts),
+    `sms` persistent programs at most; options: arguments()'s keywords."""
+    values, constexprs = arguments(a, b, out, **options)
+    block_m, block_n = values[2].block_shape
+    tiles = cdiv(a.shape[0], block_m) * cdiv(b.shape[1], block_n)
     launch(gemm_ws_kernel, (max(1, min(sms, tiles)),), *values, **constexprs)
     return out
 
 
-def gemm(a: torch.Tensor, b: torch.Tensor, sms: int, **config) -> torch.Tensor:
-    """out = a @ b into a new tensor (benchmarks/gluon_gemm_experiment.py)."""
-    return gemm_into(a, b, torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device), sms, **config)
+def gemm(a: torch.Tensor, b: torch.Tensor, sms: int, out_dtype=None, **options) -> torch.Tensor:
+    """out = a @ b (options: arguments()'s keywords) into a new tensor
+    (benchmarks/gluon_gemm_experiment.py)."""
+    out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype or a.dtype, device=a.device)
+    return gemm_into(a, b, out, sms, **options)
 
 
-def compile_for_sm90(a_m_major: bool = False, b_k_major: bool = True, **config) -> dict:
-    """Registers, spills and shared memory of gemm_ws_kernel built for sm_90a (no GPU needed)."""
+def compile_for_sm90(a_m_major: bool = False, b_k_major: bool = True, dtype: torch.dtype = torch.bfloat16,
+                     out_dtype: torch.dtype = None, epilogue: bool = False, fast_accum: bool = False) -> dict:
+    """Registers, spills and shared memory of gemm_ws_kernel built for sm_90a (no GPU needed);
+    epilogue: with bias, gelu_tanh, residual and the pre-activation."""
     from kernelforge.triton.attention_gluon import sm90_usage
-    a = torch.zeros(512, 512, dtype=torch.bfloat16)
-    b = torch.zeros(512, 512, dtype=torch.bfloat16)
-    return sm90_usage(gemm_ws_kernel, *arguments(a.t() if a_m_major else a, b.t() if b_k_major else b,
-                                                 torch.zeros_like(a), **config))
+    a = torch.zeros(512, 512, dtype=dtype)
+    b = torch.zeros(512, 512, dtype=dtype)
+    out = torch.zeros(512, 512, dtype=out_dtype or (torch.bfloat16 if dtype == FP8 else dtype))
+    options = dict(fast_accum=fast_accum)
+    if dtype == FP8:
+        options.update(scale_a=torch.ones(512), scale_b=torch.ones(512))
+    if epilogue:
+        options.update(bias=torch.zeros(512, dtype=out.dtype), residual=torch.zeros_like(out),
+                       preact=torch.zeros_like(out), activation="gelu_tanh")
+    return sm90_usage(gemm_ws_kernel, *arguments(a.t() if a_m_major else a, b.t() if b_k_major else b, out,
+                                                 **options))

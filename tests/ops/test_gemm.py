@@ -49,13 +49,23 @@ def term_scale(a, b):
 GRAD_FLOOR_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "tf32": torch.float16}
 
 
+def same_layout(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t with t's sizes and strides (clone() makes a strided or expanded view dense:
+    the kernels would never see the layout a test builds)."""
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0)
+    flat = torch.zeros(span if t.numel() else 0, dtype=t.dtype, device=t.device)
+    distinct = tuple(slice(0, 1) if stride == 0 else slice(None) for stride in t.stride())
+    flat.as_strided(t[distinct].shape, t.stride()).copy_(t[distinct])
+    return flat.as_strided(t.shape, t.stride())
+
+
 def check(backend, device, dtype, a, b, bias=None, activation=None, residual=None, precision="auto",
           yardstick=None, what=""):
     """kf.gemm on `backend` against float64 autograd of the same expression, outputs and
     every input gradient, with the same computation at `dtype` as the yardstick (or
     `yardstick`, a function of the inputs, for a precision other than the inputs')."""
     inputs = [a, b, bias, residual]
-    mine = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
+    mine = [None if t is None else same_layout(t).requires_grad_() for t in inputs]
     theirs = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
     exact = [None if t is None else t.detach().double().requires_grad_() for t in inputs]
     with kf.use_backend(backend):
@@ -150,6 +160,9 @@ def test_strided_transposed_and_broadcast_operands(backend, device, dtype):
     bias = torch.randn(N, device=device, dtype=torch.float32)  # a float32 bias with any operand dtype
     for label, (a, b) in cases.items():
         check(backend, device, dtype, a, b, bias.to(dtype), "silu", what=label)
+    every_other = torch.randn(2 * N, device=device, dtype=dtype)[::2]  # a bias whose stride is not 1
+    check(backend, device, dtype, cases["b transposed (a Linear weight)"][0], weight.t(), every_other, "silu",
+          what="strided bias")
     a = torch.randn(2, M, K, device=device, dtype=dtype)
     for label, residual in {"residual (N,)": torch.randn(N, device=device, dtype=dtype),
                             "residual (M, 1)": torch.randn(M, 1, device=device, dtype=dtype),
