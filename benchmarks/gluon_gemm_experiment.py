@@ -35,6 +35,8 @@ BF16_CONFIGS = [
     dict(block_m=128, block_n=256, block_k=64, group_m=8, stages=3),
     dict(block_m=128, block_n=256, block_k=64, group_m=16, stages=3),
     dict(block_m=128, block_n=128, block_k=64, group_m=8, stages=4),
+    # the same 144 KB of ring in finer stages: 5 of them prefetched while one is read, not 2
+    dict(block_m=128, block_n=256, block_k=32, group_m=8, stages=6),
 ]
 FP8_CONFIGS = [  # (label, fast accumulation, arguments() keywords)
     ("promoted 128x128x128 4 stages", False, dict(stages=4)),
