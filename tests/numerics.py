@@ -81,3 +81,13 @@ def assert_compiled_matches_eager(eager, compiled, inputs) -> None:
     torch.testing.assert_close(got, expected)
     for a, e in zip(got_grads, grads):
         torch.testing.assert_close(a, e)
+
+
+def same_layout(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t with t's sizes and strides (clone() makes a strided or expanded view dense:
+    the kernels would never see the layout a test builds)."""
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0)
+    flat = torch.zeros(span if t.numel() else 0, dtype=t.dtype, device=t.device)
+    distinct = tuple(slice(0, 1) if stride == 0 else slice(None) for stride in t.stride())
+    flat.as_strided(t[distinct].shape, t.stride()).copy_(t[distinct])
+    return flat.as_strided(t.shape, t.stride())

@@ -14,7 +14,7 @@ from kernelforge.ops import activations as ops
 from kernelforge.ops import gated_activations as gated
 from kernelforge.reference import activations as reference
 from tests.conftest import HAS_CUDA, backend_cases
-from tests.numerics import assert_compiled_matches_eager, assert_matches_oracle
+from tests.numerics import assert_compiled_matches_eager, assert_matches_oracle, same_layout
 
 KINDS = reference.KINDS
 GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -95,7 +95,7 @@ def torch_gated(kind, gate, up=None):
 
 
 def leaf_copies(*tensors):
-    return [t.detach().clone().requires_grad_() for t in tensors]
+    return [same_layout(t).requires_grad_() for t in tensors]
 
 
 def compare_with_oracle(what, ours_fn, torch_fn, inputs, reduced_over_rows=()):

@@ -10,7 +10,7 @@ import kernelforge as kf
 from kernelforge.ops import gemm as gemm_ops
 from kernelforge.reference import gemm as reference
 from tests.conftest import backend_cases
-from tests.numerics import assert_compiled_matches_eager, assert_matches_oracle
+from tests.numerics import assert_compiled_matches_eager, assert_matches_oracle, same_layout
 
 GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TORCH_ACT = {None: lambda z: z, "gelu": F.gelu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
@@ -47,16 +47,6 @@ def term_scale(a, b):
 
 # tf32 keeps float16's 10 mantissa bits: the same ulp
 GRAD_FLOOR_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "tf32": torch.float16}
-
-
-def same_layout(t: torch.Tensor) -> torch.Tensor:
-    """A copy of t with t's sizes and strides (clone() makes a strided or expanded view dense:
-    the kernels would never see the layout a test builds)."""
-    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0)
-    flat = torch.zeros(span if t.numel() else 0, dtype=t.dtype, device=t.device)
-    distinct = tuple(slice(0, 1) if stride == 0 else slice(None) for stride in t.stride())
-    flat.as_strided(t[distinct].shape, t.stride()).copy_(t[distinct])
-    return flat.as_strided(t.shape, t.stride())
 
 
 def check(backend, device, dtype, a, b, bias=None, activation=None, residual=None, precision="auto",

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import kernelforge as kf
 from tests.conftest import HAS_CUDA, backend_cases
-from tests.numerics import assert_matches_oracle
+from tests.numerics import assert_matches_oracle, same_layout
 
 NAMES = ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm")
 GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -56,8 +56,8 @@ def check(name, backend, x, weight=None, bias=None, *, eps=1e-5, offset=0.0, nor
     rows = x.numel() // max(n, 1)
     residual = torch.randn_like(x) if name.startswith("add_") else None
     given = {k: t for k, t in dict(x=x, residual=residual, weight=weight, bias=bias).items() if t is not None}
-    mine = {k: t.detach().clone().requires_grad_() for k, t in given.items()}
-    theirs = {k: t.detach().clone().requires_grad_() for k, t in given.items()}
+    mine = {k: same_layout(t).requires_grad_() for k, t in given.items()}
+    theirs = {k: same_layout(t).requires_grad_() for k, t in given.items()}
     exact = {k: t.detach().double().requires_grad_() for k, t in given.items() if k not in ("x", "residual")}
     grad_y = torch.randn_like(x)
     grad_residual = torch.randn_like(x) if residual is not None else None

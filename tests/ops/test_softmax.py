@@ -6,7 +6,7 @@ import torch
 import kernelforge as kf
 from kernelforge import reference
 from tests.conftest import HAS_CUDA, backend_cases
-from tests.numerics import assert_matches_oracle
+from tests.numerics import assert_matches_oracle, same_layout
 
 FUNCS = {"softmax": (kf.softmax, torch.softmax), "log_softmax": (kf.log_softmax, torch.log_softmax)}
 GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -39,7 +39,7 @@ def check_forward(name, x, dim, backend):
 def check_backward(name, x, dim, backend):
     ours_fn, torch_fn = FUNCS[name]
     g = torch.randn_like(x)
-    xs = {k: x.detach().clone().requires_grad_() for k in ("ours", "torch")}
+    xs = {k: same_layout(x).requires_grad_() for k in ("ours", "torch")}
     x64 = x.detach().double().requires_grad_()
     with kf.use_backend(backend):
         ours_fn(xs["ours"], dim).backward(g)
