@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernelforge.triton._launch import cdiv, launch
-from kernelforge.triton.activations import _activation, _activation_for_bf16
+from kernelforge.triton.gemm_kernels import _bias_activation, _dequantized, _tile_coordinates
 
 FP8 = torch.float8_e4m3fn
 DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, FP8: gl.float8e4nv, torch.float32: gl.float32}
@@ -42,16 +42,6 @@ LOADER_REGISTERS = gl.constexpr(40)  # the loader warp only computes coordinates
 
 
 @gluon.jit
-def _tile_coordinates(tile, tiles_m, tiles_n, GROUP_M: gl.constexpr):
-    """(tile row, tile column) of a linear tile index, GROUP_M tile rows walked column by column
-    (consecutive tiles share b's column panel in L2)."""
-    per_group = GROUP_M * tiles_n
-    first_m = (tile // per_group) * GROUP_M
-    rows_in_group = gl.minimum(tiles_m - first_m, GROUP_M)
-    return first_m + (tile % per_group) % rows_in_group, (tile % per_group) // rows_in_group
-
-
-@gluon.jit
 def _loader(a_desc, b_desc, a_ring, b_ring, ready, empty, tiles_m, tiles_n, k_tiles,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
             STAGES: gl.constexpr, A_M_MAJOR: gl.constexpr, B_K_MAJOR: gl.constexpr):
@@ -59,7 +49,7 @@ def _loader(a_desc, b_desc, a_ring, b_ring, ready, empty, tiles_m, tiles_n, k_ti
     stage once the consumers have handed it back (empty), completing on its ready barrier."""
     step = 0
     for tile in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coordinates(tile, tiles_m, tiles_n, GROUP_M)
+        _, pid_m, pid_n = _tile_coordinates(tile, tiles_m, tiles_n, GROUP_M)
         for kk in range(k_tiles):
             stage = step % STAGES
             # a fresh barrier counts as having completed the phase before its first: the
@@ -182,7 +172,7 @@ def _epilogue(acc, off_m, off_n, c_desc, c_smem, res_desc, pre_desc, res_ready, 
               ssam, ssbn, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
               SAVE_PREACT: gl.constexpr, SCALED: gl.constexpr, PRECISE: gl.constexpr, BF16_OUT: gl.constexpr):
     """c = act(acc * scales + bias) + residual of one tile, out through c_smem by TMA (left
-    draining: the next tile's K loop hides it). The same math as gemm_kernels._epilogue. Bytes
+    draining: the next tile's K loop hides it). The math is gemm_kernels' own. Bytes
     beyond the product: the bias slice (BLOCK_N), the residual tile read by TMA into c_smem
     (its latency shows once a tile), the pre-activation tile written through c_smem before c
     (the backward's act' input)."""
@@ -192,22 +182,13 @@ def _epilogue(acc, off_m, off_n, c_desc, c_smem, res_desc, pre_desc, res_ready, 
     offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
     if SCALED:
         offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-        scale_a = gl.load(SA + offs_m * ssam, mask=offs_m < M, other=0.0)
-        scale_b = gl.load(SB + offs_n * ssbn, mask=offs_n < N, other=0.0)
-        acc = acc * gl.expand_dims(scale_a, 1) * gl.expand_dims(scale_b, 0)
+        acc = _dequantized(acc, SA, SB, offs_m, offs_n, M, N, ssam, ssbn)
     tma.store_wait(0)  # the last tile's store has left c_smem
     if SAVE_PREACT:
         c_smem.store(acc.to(c_desc.dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(pre_desc, [off_m, off_n], c_smem)
-    z = acc
-    if HAS_BIAS:
-        bias = gl.load(BIAS + offs_n, mask=offs_n < N, other=0.0)
-        z = z + gl.expand_dims(bias.to(gl.float32), 0)
-    if BF16_OUT and ACTIVATION != "none":
-        z = _activation_for_bf16(z, ACTIVATION, PRECISE)
-    elif ACTIVATION != "none":
-        z = _activation(z, ACTIVATION, PRECISE)
+    z = _bias_activation(acc, BIAS, offs_n, N, ACTIVATION, HAS_BIAS, PRECISE, BF16_OUT)
     if HAS_RESIDUAL:
         tma.store_wait(0)  # the pre-activation has left c_smem
         mbarrier.expect(res_ready, res_desc.block_type.nbytes)
@@ -237,7 +218,7 @@ def _consumer(c_desc, res_desc, pre_desc, a_ring, b_ring, ready, empty, res_read
     step = 0
     done = 0
     for tile in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coordinates(tile, tiles_m, tiles_n, GROUP_M)
+        _, pid_m, pid_n = _tile_coordinates(tile, tiles_m, tiles_n, GROUP_M)
         if PROMOTE:
             acc, step = _accumulate_promoted(a_ring, b_ring, ready, empty, step, k_tiles, acc_layout, BLOCK_M,
                                              BLOCK_N, STAGES, A_M_MAJOR, B_K_MAJOR)

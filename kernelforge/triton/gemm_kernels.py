@@ -85,6 +85,22 @@ def _dequantized(acc, SA, SB, offs_m, offs_n, M, N, ssam, ssbn):
 
 
 @triton.jit
+def _bias_activation(acc, BIAS, offs_n, N, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     PRECISE: tl.constexpr, BF16_OUT: tl.constexpr):
+    """act(acc + bias) in float32 (also the Gluon kernel's, gemm_gluon._epilogue). BF16_OUT: the
+    output is bfloat16, so the SFU's tanh is accurate enough (GPU only; see
+    _activation_for_bf16)."""
+    z = acc
+    if HAS_BIAS:
+        z += tl.load(BIAS + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    if BF16_OUT and ACTIVATION != "none":
+        z = _activation_for_bf16(z, ACTIVATION, PRECISE)
+    elif ACTIVATION != "none":
+        z = _activation(z, ACTIVATION, PRECISE)
+    return z
+
+
+@triton.jit
 def _epilogue(acc, offs_m, offs_n, M, N, BIAS, RES, PRE, srm, srn, spm, spn,
               ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
               SAVE_PREACT: tl.constexpr, PRECISE: tl.constexpr, BF16_OUT: tl.constexpr):
@@ -96,13 +112,7 @@ def _epilogue(acc, offs_m, offs_n, M, N, BIAS, RES, PRE, srm, srn, spm, spn,
     if SAVE_PREACT:
         tl.store(PRE + offs_m[:, None].to(tl.int64) * spm + offs_n[None, :] * spn, acc.to(PRE.dtype.element_ty),
                  mask=inside)
-    z = acc
-    if HAS_BIAS:
-        z += tl.load(BIAS + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    if BF16_OUT and ACTIVATION != "none":
-        z = _activation_for_bf16(z, ACTIVATION, PRECISE)
-    elif ACTIVATION != "none":
-        z = _activation(z, ACTIVATION, PRECISE)
+    z = _bias_activation(acc, BIAS, offs_n, N, ACTIVATION, HAS_BIAS, PRECISE, BF16_OUT)
     if HAS_RESIDUAL:
         z += tl.load(RES + offs_m[:, None].to(tl.int64) * srm + offs_n[None, :] * srn, mask=inside,
                      other=0.0).to(tl.float32)
