@@ -29,10 +29,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from kernelforge.triton import interpreter_enabled
 from kernelforge.triton._launch import (cdiv, device_capability, gluon_module, launch, next_power_of_2, on_device,
                                         sm_count)
-from kernelforge.triton.gemm_kernels import gemm_kernel, gemm_tma_kernel, round_tf32_kernel
+from kernelforge.triton.gemm_kernels import gemm_kernel, gemm_tma_kernel, round_tf32_kernel, splitk_sum_kernel
 
 USE_TMA: Optional[bool] = None
 USE_GLUON: Optional[bool] = None  # the Gluon kernel for plain products: None its rule, False never, True any size
+SPLIT_K: Optional[int] = None  # slices of K a TMA-kernel tile is split into: None _split_k's rule
 _TMA_MIN_ROWS = 65  # at 16 rows the pointer kernel's 16-row tiles win (benchmarks/gemm_sweep.py)
 _PRECISION = {"fp32": "ieee", "tf32": "tf32", "fp16": "tf32", "bf16": "tf32", "fp8": "tf32"}  # not fp32: ignored
 _FP8 = torch.float8_e4m3fn
@@ -84,7 +85,7 @@ INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, num_war
 AUTOTUNE_KEY = ["M_BUCKET", "N", "K", "sak", "sbn", "COMPUTE", "ACTIVATION", "HAS_BIAS", "HAS_RESIDUAL",
                 "SAVE_PREACT"]
 TMA_AUTOTUNE_KEY = ["M_BUCKET", "N", "K", "A_K_CONTIGUOUS", "B_N_CONTIGUOUS", "COMPUTE", "ACTIVATION", "HAS_BIAS",
-                    "HAS_RESIDUAL", "SAVE_PREACT"]
+                    "HAS_RESIDUAL", "SAVE_PREACT", "SPLIT_K"]
 
 
 def _prune(configs, named_args, **kwargs):
@@ -243,6 +244,21 @@ def _take_tf32_tma(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape[1] * a.shape[2] * b.shape[2] > _TF32_TMA_MIN_WORK
 
 
+# Split-K (gemm_tma_kernel's SPLIT_K) for products of few output tiles: double the slices
+# while the work units (128 x 128 tiles x slices) still fit in one wave of the SMs and each
+# slice keeps at least _SPLIT_K_MIN_DEPTH of K.
+_SPLIT_K_MIN_DEPTH = 512
+
+
+def _split_k(M: int, N: int, K: int, sms: int) -> int:
+    if SPLIT_K is not None:
+        return SPLIT_K
+    tiles, split = cdiv(M, 128) * cdiv(N, 128), 1
+    while tiles * split * 2 <= sms and K // (split * 2) >= _SPLIT_K_MIN_DEPTH:
+        split *= 2
+    return split
+
+
 def _strides(t: Optional[torch.Tensor], fallback: torch.Tensor):
     return tuple((t if t is not None else fallback).stride())
 
@@ -330,15 +346,28 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residua
 
 def _launch_tma(tma, out, pointers, residual, preact, M, N, K, compute, epilogue, sms, dtypes, scale_strides):
     descriptors, orders = tma
+    split = _split_k(M, N, K, sms)
+    # split-K: the first pass's float32 partial sums, one M x N slice per part of K
+    partials = torch.empty(split, M, N, device=out.device, dtype=torch.float32) if split > 1 else out
 
     def set_block_shapes(config_kwargs):  # what the autotuner's pre-hook does when it launches
         _tma_block_shapes(dict(zip(("a_desc", "b_desc", "c_desc"), descriptors), **orders, **config_kwargs))
 
-    def grid(meta):  # at most `sms` programs, each walking the tiles `sms` apart
-        return (max(1, min(sms, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]))),)
+    def grid(meta):  # at most `sms` programs, each walking the work units `sms` apart
+        return (max(1, min(sms, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]) * split)),)
 
-    signature = ("tma", next_power_of_2(M), N, K, compute, *orders.values(), *dtypes, *epilogue.values())
+    signature = ("tma", next_power_of_2(M), N, K, compute, split, *orders.values(), *dtypes, *epilogue.values())
+    residual_strides, preact_strides = _strides(residual, out)[1:], _strides(preact, out)[1:]
     _launch(_tma_kernels(_OPERAND_BITS[compute]), signature, grid,
-            (*descriptors, *pointers, M, N, K, *_strides(residual, out)[1:], *_strides(preact, out)[1:],
+            (*descriptors, *pointers, partials, M, N, K, *residual_strides, *preact_strides,
              scale_strides[1], scale_strides[3], next_power_of_2(M), sms),
-            dict(COMPUTE=compute, PRECISION=_PRECISION[compute], **orders, **epilogue), set_block_shapes)
+            dict(COMPUTE=compute, PRECISION=_PRECISION[compute], SPLIT_K=split, **orders, **epilogue),
+            set_block_shapes)
+    if split > 1:
+        sum_epilogue = {k: v for k, v in epilogue.items() if k != "FP8_PRECISE"}
+        launch(splitk_sum_kernel, (cdiv(M, _SUM_BLOCK_M), cdiv(N, _SUM_BLOCK_N)), partials, out[0], *pointers,
+               M, N, M * N, *out.stride()[1:], *residual_strides, *preact_strides, scale_strides[1], scale_strides[3],
+               SPLIT_K=split, BLOCK_M=_SUM_BLOCK_M, BLOCK_N=_SUM_BLOCK_N, **sum_epilogue)
+
+
+_SUM_BLOCK_M, _SUM_BLOCK_N = 32, 128  # splitk_sum_kernel's tile: 128 programs at 128 x 4096

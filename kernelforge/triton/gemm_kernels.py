@@ -175,13 +175,27 @@ def gemm_kernel(
 
 
 @triton.jit
+def _split_k_unit(unit, num_tiles, K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """(output tile, first K tile, K tile to stop before) of a split-K work unit: unit
+    covers slice unit // num_tiles of that tile's K tiles, cdiv(K tiles, SPLIT_K) of them
+    (the last slices take what is left: fewer, or none). Unsplit: the tile and all of K."""
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    if SPLIT_K == 1:
+        return unit, 0, k_tiles
+    per_slice = tl.cdiv(k_tiles, SPLIT_K)
+    k_first = (unit // num_tiles) * per_slice
+    return unit % num_tiles, k_first, tl.minimum(k_first + per_slice, k_tiles)
+
+
+@triton.jit
 def gemm_tma_kernel(
-    a_desc, b_desc, c_desc, BIAS, RES, PRE, SA, SB,
+    a_desc, b_desc, c_desc, BIAS, RES, PRE, SA, SB, PARTIALS,
     M, N, K, srm, srn, spm, spn, ssam, ssbn, M_BUCKET, NUM_PROGRAMS,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     A_K_CONTIGUOUS: tl.constexpr, B_N_CONTIGUOUS: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
     ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SAVE_PREACT: tl.constexpr,
     PRECISE: tl.constexpr, BF16_OUT: tl.constexpr, SCALED: tl.constexpr, FP8_PRECISE: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     """One matrix (batch 1) of 16-bit, e4m3 or tf32-rounded float32 operands, through Hopper's
     tensor memory accelerator:
@@ -195,19 +209,27 @@ def gemm_tma_kernel(
     both for them; tf32 ones are rounded beforehand by round_tf32_kernel, the tensor cores
     would truncate them).
     Same work and bytes as gemm_kernel; 0.94-1.04x cuBLAS where gemm_kernel gives 0.91-1.0x
-    on an H200 (benchmarks/gemm_sweep.py)."""
+    on an H200 (benchmarks/gemm_sweep.py).
+
+    SPLIT_K > 1 (split-K, for products of few output tiles: 128 x 4096 has 32 of 128 x 128,
+    a quarter of an H200's SMs, each walking all of K): the work units are (tile, slice of
+    K), SPLIT_K slices a tile, so SPLIT_K times as many SMs stream b. Each unit stores its
+    float32 partial sum to PARTIALS[slice] (SPLIT_K x M x N, row-major) and no epilogue;
+    splitk_sum_kernel then adds the slices in order (the result does not depend on which
+    unit finished first) and runs the epilogue. Bytes: + 2 x SPLIT_K x M x N x 4 (written,
+    then read back, mostly from L2)."""
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
     num_tiles = tiles_m * tiles_n
     # The epilogue takes its tile from its own counter, so the software pipeliner (which
     # overlaps the next tile's loads with this tile's tail) need not keep the prologue's
     # coordinates alive across the K loop.
-    tile_c = tl.program_id(0) - NUM_PROGRAMS
-    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
+    unit_c = tl.program_id(0) - NUM_PROGRAMS
+    for unit in tl.range(tl.program_id(0), num_tiles * SPLIT_K, NUM_PROGRAMS, flatten=True):
+        tile, k_first, k_stop = _split_k_unit(unit, num_tiles, K, BLOCK_K, SPLIT_K)
         _, pid_m, pid_n = _tile_coordinates(tile, tiles_m, tiles_n, GROUP_M)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for ki in range(k_tiles):
+        for ki in range(k_first, k_stop):
             if A_K_CONTIGUOUS:
                 a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
             else:
@@ -218,15 +240,48 @@ def gemm_tma_kernel(
                 b = b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K]).T
             acc = tl.dot(a, b, acc, input_precision=PRECISION,
                          max_num_imprecise_acc=_promote_every(BLOCK_K) if FP8_PRECISE else None)
-        tile_c += NUM_PROGRAMS
-        _, pid_m, pid_n = _tile_coordinates(tile_c, tiles_m, tiles_n, GROUP_M)
+        unit_c += NUM_PROGRAMS
+        _, pid_m, pid_n = _tile_coordinates(unit_c % num_tiles, tiles_m, tiles_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        if SCALED:
-            acc = _dequantized(acc, SA, SB, offs_m, offs_n, M, N, ssam, ssbn)
-        z, _ = _epilogue(acc, offs_m, offs_n, M, N, BIAS, RES, PRE, srm, srn, spm, spn,
-                         ACTIVATION, HAS_BIAS, HAS_RESIDUAL, SAVE_PREACT, PRECISE, BF16_OUT)
-        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], z.to(c_desc.dtype))
+        if SPLIT_K > 1:
+            partial = PARTIALS + (unit_c // num_tiles).to(tl.int64) * M * N
+            tl.store(partial + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc,
+                     mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        else:
+            if SCALED:
+                acc = _dequantized(acc, SA, SB, offs_m, offs_n, M, N, ssam, ssbn)
+            z, _ = _epilogue(acc, offs_m, offs_n, M, N, BIAS, RES, PRE, srm, srn, spm, spn,
+                             ACTIVATION, HAS_BIAS, HAS_RESIDUAL, SAVE_PREACT, PRECISE, BF16_OUT)
+            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], z.to(c_desc.dtype))
+
+
+@triton.jit
+def splitk_sum_kernel(
+    PARTIALS, C, BIAS, RES, PRE, SA, SB,
+    M, N, SLICE, scm, scn, srm, srn, spm, spn, ssam, ssbn,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SAVE_PREACT: tl.constexpr,
+    PRECISE: tl.constexpr, BF16_OUT: tl.constexpr, SCALED: tl.constexpr,
+):
+    """The second pass of split-K: C = epilogue(sum over s of PARTIALS[s]) for one
+    BLOCK_M x BLOCK_N tile, the slices added in order 0, 1, ... (the same bits whatever the
+    order the first pass finished in), then the dequantization and the epilogue that
+    gemm_tma_kernel runs unsplit. SLICE = M x N, the elements of one slice (64-bit when it
+    must be). Bytes: SPLIT_K x M x N x 4 read (just written: mostly L2),
+    the output (and preact) written, the epilogue's reads; SPLIT_K x M x N FLOPs."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    at = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    acc = tl.load(PARTIALS + at, mask=inside, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(PARTIALS + s * SLICE + at, mask=inside, other=0.0)
+    if SCALED:
+        acc = _dequantized(acc, SA, SB, offs_m, offs_n, M, N, ssam, ssbn)
+    z, inside = _epilogue(acc, offs_m, offs_n, M, N, BIAS, RES, PRE, srm, srn, spm, spn,
+                          ACTIVATION, HAS_BIAS, HAS_RESIDUAL, SAVE_PREACT, PRECISE, BF16_OUT)
+    tl.store(C + offs_m[:, None].to(tl.int64) * scm + offs_n[None, :] * scn, z.to(C.dtype.element_ty), mask=inside)
 
 
 @triton.jit

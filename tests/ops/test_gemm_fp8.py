@@ -210,6 +210,39 @@ def test_both_triton_kernels(backend, device, use_tma, monkeypatch):
                 assert sqnr_db(out, exact) >= MIN_SQNR_DB, f"{scaling} b strides {b.stride()}"
 
 
+@pytest.mark.parametrize("backend,device", backend_cases(("triton",)))
+def test_split_k(backend, device, monkeypatch):
+    # Split-K on e4m3 operands: each slice's float32 partial unscaled, the scales and the
+    # epilogue applied once, after the slices are summed. Both scalings, both accumulation
+    # modes, K = 1040 (rows TMA can read) in 3 slices.
+    from kernelforge.triton import gemm as triton_gemm
+    from tests.ops.test_gemm import count_split_k_sums
+
+    sums = count_split_k_sums(monkeypatch)
+    monkeypatch.setattr(triton_gemm, "SPLIT_K", 3)
+    M, K, N = 70, 1040, 48
+    a = torch.randn(M, K, device=device)
+    b = torch.randn(K, N, device=device) / K ** 0.5
+    bias, residual = torch.randn(N, device=device), torch.randn(M, N, device=device)
+    for scaling in reference.FP8_SCALINGS:
+        qa, sa = quantize(a, scaling, -1)
+        qb, sb = quantize(b, scaling, -2)
+        oracle = epilogue64(torch.matmul(dequantized(qa, sa), dequantized(qb, sb)), bias, "silu", residual)
+        same = epilogue64(torch.matmul(qa.float(), qb.float()) * sa * sb, bias, "silu", residual).float()
+        scale = torch.matmul(dequantized(qa, sa).abs(), dequantized(qb, sb).abs()).max().item()
+        for fast in (False, True):
+            with kf.use_backend(backend):
+                out = kf.gemm(qa, qb, bias=bias, activation="silu", residual=residual, scale_a=sa, scale_b=sb,
+                              out_dtype=torch.float32, fp8_fast_accum=fast)
+            label = f"split 3 {scaling} fast={fast}"
+            if device == "cuda":  # the fp8 tensor cores' reduced precision within a K tile (see the test above)
+                bound = (1e-2 if fast else 1e-3) * scale
+                assert (out.double() - oracle).abs().max().item() <= bound, label
+            else:
+                assert_matches_oracle(out, same, oracle, label, reduced=K, terms_scale=scale)
+    assert sums == [3] * 4
+
+
 @pytest.mark.parametrize("backend,device", backend_cases(("reference", "triton")))
 def test_empty_operands(backend, device):
     bias = torch.randn(3, device=device)
