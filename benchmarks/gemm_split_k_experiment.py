@@ -7,7 +7,7 @@ the issue's few-row LLM shapes, each slice count forced, against the baselines.
 Per shape: bf16 x @ W^T against cuBLAS; bias + gelu_tanh against eager linear + gelu (and its
 torch.compile); e4m3 with per-row scales, promoted and fast, against torch._scaled_mm. Each
 kf.gemm line runs the TMA kernel (USE_TMA True, the Gluon kernel off) at one slice count
-("rule": the library's own choice, _split_k). Device time, as in gluon_gemm_experiment.py
+("tuned": the autotuner picks the split among _split_choices). Device time, as in gluon_gemm_experiment.py
 (whose report() prints the lines). --profile: each kernel's device time instead (torch.profiler,
 no L2 flush) and the tile configs the autotuner chose.
 """
@@ -27,7 +27,7 @@ SHAPES = ["16,4096,4096", "16,14336,4096", "16,4096,14336", "128,4096,4096", "12
 
 
 def forced(split, fn):
-    """fn run on the TMA kernel at `split` slices (None: the rule)."""
+    """fn run on the TMA kernel at `split` slices (None: the autotuner's pick)."""
     def run():
         saved = triton_gemm.USE_TMA, triton_gemm.USE_GLUON, triton_gemm.SPLIT_K
         triton_gemm.USE_TMA, triton_gemm.USE_GLUON, triton_gemm.SPLIT_K = True, False, split
@@ -40,16 +40,16 @@ def forced(split, fn):
 
 
 def runs_at(splits, fn, prefix="kf.gemm"):
-    rule = (f"{prefix} unforced (rule picks kernel and split)", fn)
-    return [rule] + [(f"{prefix} tma split {'rule' if s is None else s}", forced(s, fn)) for s in splits]
+    unforced = (f"{prefix} unforced (the library's kernel and split)", fn)
+    return [unforced] + [(f"{prefix} tma split {'tuned' if s is None else s}", forced(s, fn)) for s in splits]
 
 
 # --deep: candidates with more bytes in flight per SM (a few-row product is latency bound:
 # each SM streams its slice of b), added to the TMA kernel's lists before its tuner is built
-DEEP_16BIT = [triton_gemm._config(128, 128, 64, 4, 6), triton_gemm._config(128, 128, 64, 8, 6),
-              triton_gemm._config(64, 128, 128, 4, 4), triton_gemm._config(64, 256, 64, 4, 6)]
-DEEP_FP8 = [triton_gemm._config(128, 128, 128, 4, 6), triton_gemm._config(64, 128, 256, 4, 4),
-            triton_gemm._config(64, 256, 128, 4, 6)]
+# (the first run's picks among them, 128x128x64 / 4 warps / 6 stages, 64x128x128 / 4 / 4 and fp8's
+# 128x128x128 / 4 / 6, are in the library's lists now)
+DEEP_16BIT = [triton_gemm._config(128, 128, 64, 8, 6), triton_gemm._config(64, 256, 64, 4, 6)]
+DEEP_FP8 = [triton_gemm._config(64, 128, 256, 4, 4), triton_gemm._config(64, 256, 128, 4, 6)]
 
 
 def profile(label, fn, calls=20):
@@ -95,7 +95,7 @@ def main():
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
         bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        print(f"{spec}: the rule's split {triton_gemm._split_k(M, N, K, sms)}", flush=True)
+        print(f"{spec}: the autotuner's split choices {triton_gemm._split_choices(M, N, K, sms)}", flush=True)
         report(f"{M}x{N}x{K} bf16", flops, "cuBLAS", lambda: torch.matmul(x, w.t()),
                runs_at(splits, lambda: kf.gemm(x, w.t())))
 

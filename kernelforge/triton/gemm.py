@@ -26,14 +26,15 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kernelforge.bench.timing import time_function
 from kernelforge.triton import interpreter_enabled
 from kernelforge.triton._launch import (cdiv, device_capability, gluon_module, launch, next_power_of_2, on_device,
                                         sm_count)
-from kernelforge.triton.gemm_kernels import gemm_kernel, gemm_tma_kernel, round_tf32_kernel, splitk_sum_kernel
+from kernelforge.triton.gemm_kernels import gemm_kernel, gemm_tma_kernel, round_tf32_kernel
 
 USE_TMA: Optional[bool] = None
 USE_GLUON: Optional[bool] = None  # the Gluon kernel for plain products: None its rule, False never, True any size
-SPLIT_K: Optional[int] = None  # slices of K a TMA-kernel tile is split into: None _split_k's rule
+SPLIT_K: Optional[int] = None  # slices of K a TMA-kernel tile is split into: None the autotuner's pick
 _TMA_MIN_ROWS = 65  # at 16 rows the pointer kernel's 16-row tiles win (benchmarks/gemm_sweep.py)
 _PRECISION = {"fp32": "ieee", "tf32": "tf32", "fp16": "tf32", "bf16": "tf32", "fp8": "tf32"}  # not fp32: ignored
 _FP8 = torch.float8_e4m3fn
@@ -63,6 +64,9 @@ CONFIGS_32BIT = [
 CONFIGS_TMA = [  # the fastest of benchmarks/gemm_sweep.py's TMA candidates at each of its shapes
     _config(128, 256, 64, 8, 3), _config(128, 128, 64, 4, 4), _config(128, 128, 64, 8, 4),
     _config(128, 128, 128, 8, 3), _config(64, 256, 64, 4, 4), _config(64, 128, 64, 4, 4),
+    # more bytes in flight an SM, for few-row products (each SM streams its part of b): the
+    # autotuner's picks at 128 x 4096 x 4096 / 14336, split or not (gemm_split_k_experiment.py --deep)
+    _config(128, 128, 64, 4, 6), _config(64, 128, 128, 4, 4),
 ]
 # tf32 through TMA: 4-byte operands at half the 16-bit K depth (the same shared-memory bytes per
 # stage), leaving room for the float32 output tile the epilogue stores through shared memory.
@@ -80,12 +84,13 @@ CONFIGS_FP8 = [
     _config(128, 256, 128, 8, 3), _config(128, 128, 256, 8, 3), _config(256, 128, 128, 8, 3),
     _config(128, 128, 128, 8, 4), _config(128, 128, 128, 4, 4), _config(64, 256, 128, 4, 4),
     _config(128, 64, 128, 4, 4), _config(64, 128, 128, 4, 4), _config(64, 64, 256, 4, 4), _config(64, 32, 256, 4, 4),
+    _config(128, 128, 128, 4, 6),  # split-K's pick at 128 x 4096 x 14336 (gemm_split_k_experiment.py --deep)
 ]
 INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1)
 AUTOTUNE_KEY = ["M_BUCKET", "N", "K", "sak", "sbn", "COMPUTE", "ACTIVATION", "HAS_BIAS", "HAS_RESIDUAL",
                 "SAVE_PREACT"]
 TMA_AUTOTUNE_KEY = ["M_BUCKET", "N", "K", "A_K_CONTIGUOUS", "B_N_CONTIGUOUS", "COMPUTE", "ACTIVATION", "HAS_BIAS",
-                    "HAS_RESIDUAL", "SAVE_PREACT", "SPLIT_K"]
+                    "HAS_RESIDUAL", "SAVE_PREACT", "SPLIT_CHOICES"]
 
 
 def _prune(configs, named_args, **kwargs):
@@ -100,6 +105,41 @@ def _prune(configs, named_args, **kwargs):
     return [c for c in configs if c.kwargs["BLOCK_M"] <= max_m and c.kwargs["BLOCK_N"] <= max_n]
 
 
+# Split-K (gemm_tma_kernel's SPLIT_K): where _split_choices allows it, every TMA tile of at
+# most 128 x 128 is also a candidate at 2 and 4 slices of K.
+SPLITS = (2, 4)
+_SPLIT_K_MIN_DEPTH = 512  # K a slice keeps at least
+
+
+def _split_choices(M: int, N: int, K: int, sms: int) -> tuple:
+    """Slice counts the autotuner may pick from: SPLIT_K if set; else 1, and, for products
+    whose 128 x 128 tiles fill at most half the SMs, each of SPLITS that leaves every slice
+    _SPLIT_K_MIN_DEPTH of K. Splitting a product that fills the GPU already only adds the
+    partials' traffic (0.47-0.81x at 128 x 14336 x 4096, gemm/8a845ed-split-k-two-pass/)."""
+    if SPLIT_K is not None:
+        return (SPLIT_K,)
+    if cdiv(M, 128) * cdiv(N, 128) * 2 > sms:
+        return (1,)
+    return (1, *(s for s in SPLITS if K // s >= _SPLIT_K_MIN_DEPTH))
+
+
+def _split_mask(choices: tuple) -> int:
+    """The slice counts as one int (bit s set: s may be chosen): the kernel's SPLIT_CHOICES,
+    an argument only the autotuner's key and pruning read."""
+    return sum(1 << s for s in choices)
+
+
+def _prune_tma(configs, named_args, **kwargs):
+    """_prune's tiles, each at every slice count SPLIT_CHOICES allows (a tile over 128 x 128
+    unsplit only)."""
+    mask = named_args["SPLIT_CHOICES"]
+    splits = [s for s in range(mask.bit_length()) if mask >> s & 1]
+    return [triton.Config({**c.kwargs, "SPLIT_K": s}, num_warps=c.num_warps, num_stages=c.num_stages,
+                          pre_hook=c.pre_hook)
+            for s in splits for c in _prune(configs, named_args)
+            if s == 1 or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128]
+
+
 def _tma_block_shapes(nargs):
     """Autotuner pre-hook: each descriptor's block is the config's tile, in the operand's
     memory order."""
@@ -107,6 +147,18 @@ def _tma_block_shapes(nargs):
     nargs["a_desc"].block_shape = [bm, bk] if nargs["A_K_CONTIGUOUS"] else [bk, bm]
     nargs["b_desc"].block_shape = [bk, bn] if nargs["B_N_CONTIGUOUS"] else [bn, bk]
     nargs["c_desc"].block_shape = [bm, bn]
+
+
+def _tuning_bench(kernel_call, quantiles):
+    """The autotuners' timing: device time with an L2 flush before each run and the GPU held
+    until the run is queued (kernelforge.bench.timing.time_function), the quantiles Triton
+    asks for. Triton's own do_bench records events around each call as it is queued; a
+    few-row product runs in 10-20 us, less than the host takes to launch it, so every
+    candidate timed as the host's pace and the picks were noise: 64x128x128 at 2 slices ran
+    20.6 us where the tuner's pick ran 23.3 (128 x 4096 x 4096, H200)."""
+    timing = time_function(kernel_call, "cuda", warmup=3, repeat=25)
+    by_quantile = {0.5: timing.median_ms, 0.2: timing.p20_ms, 0.8: timing.p80_ms}
+    return [by_quantile[q] for q in quantiles] if quantiles else timing.median_ms
 
 
 def _even_k(args):
@@ -121,8 +173,8 @@ def _pointer_kernels(operand_bits: int):
     if interpreter_enabled():
         return None, plain
     configs = {8: CONFIGS_FP8, 16: CONFIGS_16BIT, 32: CONFIGS_32BIT}[operand_bits]
-    return triton.autotune(configs=configs, key=AUTOTUNE_KEY,
-                           prune_configs_by={"early_config_prune": _prune})(plain), plain
+    return triton.autotune(configs=configs, key=AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune},
+                           do_bench=_tuning_bench)(plain), plain
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,8 +183,8 @@ def _tma_kernels(operand_bits: int):
         return None, gemm_tma_kernel
     configs = [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=_tma_block_shapes)
                for c in {8: CONFIGS_FP8, 16: CONFIGS_TMA, 32: CONFIGS_TMA_32}[operand_bits]]
-    return triton.autotune(configs=configs, key=TMA_AUTOTUNE_KEY,
-                           prune_configs_by={"early_config_prune": _prune})(gemm_tma_kernel), gemm_tma_kernel
+    return triton.autotune(configs=configs, key=TMA_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune_tma},
+                           do_bench=_tuning_bench)(gemm_tma_kernel), gemm_tma_kernel
 
 
 # Per call signature: the autotuner's pick as (config kwargs, the kernel to launch, every
@@ -144,17 +196,19 @@ def _tma_kernels(operand_bits: int):
 _CHOSEN: dict = {}
 
 
-def _launch(kernels, signature, grid, args, kwargs, set_block_shapes=None, heuristics=None):
+def _launch(kernels, signature, grid, args, kwargs, set_block_shapes=None, heuristics=None, interpreter_config=None):
     """Launch a (tuner, plain) pair at the config tuned for `signature` (every argument the
     tuner's key and its dtype list hold, and more), tuning on its first call; later calls
     launch the kernel itself at that config through kernelforge.triton._launch.launch, with
     `heuristics(config kwargs)` giving the constexprs a triton.heuristics wrapper would.
-    Under the interpreter: the one small config."""
+    Under the interpreter: the one small config (and `interpreter_config`, the tuned
+    constexprs it lacks)."""
     tuner, plain = kernels
     if tuner is None:
+        config = {**INTERPRETER_CONFIG, **(interpreter_config or {})}
         if set_block_shapes is not None:
-            set_block_shapes(INTERPRETER_CONFIG)
-        plain[grid](*args, **kwargs, **INTERPRETER_CONFIG)
+            set_block_shapes(config)
+        plain[grid](*args, **kwargs, **config)
         return
     chosen = _CHOSEN.get(signature)
     if chosen is None:
@@ -224,12 +278,14 @@ def _take_gluon(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: Optio
                                              any_size=USE_GLUON is True)
 
 
-def _take_tma(a: torch.Tensor) -> bool:
+def _take_tma(a: torch.Tensor, compute: str) -> bool:
     if USE_TMA is not None:
         return USE_TMA
     if interpreter_enabled() or a.device.type != "cuda" or device_capability(a.device)[0] < 9:
         return False
-    return a.shape[1] >= _TMA_MIN_ROWS
+    # e4m3 tiles are 64 rows or more either way; at 16 rows the pointer kernel gives 0.67-0.85x
+    # torch._scaled_mm, the TMA kernel 1.01-1.46x (H200, gemm/<split-K run>/experiment.log)
+    return a.shape[1] >= _TMA_MIN_ROWS or compute == "fp8"
 
 
 # tf32 through TMA pays two rounding passes (launches and bytes) up front. H200, gemm_tf32
@@ -239,24 +295,9 @@ _TF32_TMA_MIN_WORK = 2048 ** 3
 
 
 def _take_tf32_tma(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if USE_TMA is not None or not _take_tma(a):
-        return _take_tma(a)
+    if USE_TMA is not None or not _take_tma(a, "tf32"):
+        return _take_tma(a, "tf32")
     return a.shape[1] * a.shape[2] * b.shape[2] > _TF32_TMA_MIN_WORK
-
-
-# Split-K (gemm_tma_kernel's SPLIT_K) for products of few output tiles: double the slices
-# while the work units (128 x 128 tiles x slices) still fit in one wave of the SMs and each
-# slice keeps at least _SPLIT_K_MIN_DEPTH of K.
-_SPLIT_K_MIN_DEPTH = 512
-
-
-def _split_k(M: int, N: int, K: int, sms: int) -> int:
-    if SPLIT_K is not None:
-        return SPLIT_K
-    tiles, split = cdiv(M, 128) * cdiv(N, 128), 1
-    while tiles * split * 2 <= sms and K // (split * 2) >= _SPLIT_K_MIN_DEPTH:
-        split *= 2
-    return split
 
 
 def _strides(t: Optional[torch.Tensor], fallback: torch.Tensor):
@@ -320,7 +361,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residua
     scale_strides = (*scale_a.stride(), *scale_b.stride()) if scaled else (0, 0, 0, 0)
     pointers = (bias if bias is not None else out, residual if residual is not None else out,
                 preact if preact is not None else out, scale_a if scaled else out, scale_b if scaled else out)
-    tma = _tma_operands(a, b, out, compute) if _take_tma(a) else None
+    tma = _tma_operands(a, b, out, compute) if _take_tma(a, compute) else None
     sms = sm_count(a.device)
 
     def grid(meta):
@@ -346,28 +387,40 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residua
 
 def _launch_tma(tma, out, pointers, residual, preact, M, N, K, compute, epilogue, sms, dtypes, scale_strides):
     descriptors, orders = tma
-    split = _split_k(M, N, K, sms)
-    # split-K: the first pass's float32 partial sums, one M x N slice per part of K
-    partials = torch.empty(split, M, N, device=out.device, dtype=torch.float32) if split > 1 else out
+    choices = _split_choices(M, N, K, sms)
+    signature = ("tma", next_power_of_2(M), N, K, compute, choices, *orders.values(), *dtypes, *epilogue.values())
+    chosen = _CHOSEN.get(signature)
+    # the partials and arrival counts of split-K, for the largest split the call may take
+    split = max(choices) if chosen is None else chosen[0]["SPLIT_K"]
+    partials, arrivals = out, out  # not read unsplit
+    if split > 1:
+        partials = torch.empty(split, M, N, device=out.device, dtype=torch.float32)
+        arrivals = _arrival_counts(out.device, cdiv(M, 32) * cdiv(N, 32))  # every tile is 32 x 32 or larger
 
     def set_block_shapes(config_kwargs):  # what the autotuner's pre-hook does when it launches
         _tma_block_shapes(dict(zip(("a_desc", "b_desc", "c_desc"), descriptors), **orders, **config_kwargs))
 
     def grid(meta):  # at most `sms` programs, each walking the work units `sms` apart
-        return (max(1, min(sms, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]) * split)),)
+        return (max(1, min(sms, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]) * meta["SPLIT_K"])),)
 
-    signature = ("tma", next_power_of_2(M), N, K, compute, split, *orders.values(), *dtypes, *epilogue.values())
-    residual_strides, preact_strides = _strides(residual, out)[1:], _strides(preact, out)[1:]
     _launch(_tma_kernels(_OPERAND_BITS[compute]), signature, grid,
-            (*descriptors, *pointers, partials, M, N, K, *residual_strides, *preact_strides,
-             scale_strides[1], scale_strides[3], next_power_of_2(M), sms),
-            dict(COMPUTE=compute, PRECISION=_PRECISION[compute], SPLIT_K=split, **orders, **epilogue),
-            set_block_shapes)
-    if split > 1:
-        sum_epilogue = {k: v for k, v in epilogue.items() if k != "FP8_PRECISE"}
-        launch(splitk_sum_kernel, (cdiv(M, _SUM_BLOCK_M), cdiv(N, _SUM_BLOCK_N)), partials, out[0], *pointers,
-               M, N, M * N, *out.stride()[1:], *residual_strides, *preact_strides, scale_strides[1], scale_strides[3],
-               SPLIT_K=split, BLOCK_M=_SUM_BLOCK_M, BLOCK_N=_SUM_BLOCK_N, **sum_epilogue)
+            (*descriptors, *pointers, partials, arrivals, M, N, K, *_strides(residual, out)[1:],
+             *_strides(preact, out)[1:], scale_strides[1], scale_strides[3], M * N, next_power_of_2(M),
+             _split_mask(choices), sms),
+            dict(COMPUTE=compute, PRECISION=_PRECISION[compute], **orders, **epilogue),
+            set_block_shapes, interpreter_config={"SPLIT_K": choices[-1]})
 
 
-_SUM_BLOCK_M, _SUM_BLOCK_N = 32, 128  # splitk_sum_kernel's tile: 128 programs at 128 x 4096
+# Split-K's arrival counts, one zeroed int32 buffer per (device, stream): gemm_tma_kernel sets
+# every count it uses back to zero before it ends, so launches in one stream (which run one
+# after another) share a buffer without a memset, and streams never share one.
+_ARRIVALS: dict = {}
+
+
+def _arrival_counts(device: torch.device, count: int) -> torch.Tensor:
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    counts = _ARRIVALS.get(key)
+    if counts is None or counts.numel() < count:
+        counts = torch.zeros(max(count, 4096), device=device, dtype=torch.int32)
+        _ARRIVALS[key] = counts
+    return counts

@@ -188,9 +188,34 @@ def _split_k_unit(unit, num_tiles, K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constex
 
 
 @triton.jit
+def _split_k_arrive(acc, unit, num_tiles, offs_m, offs_n, M, N, PARTIALS, SLICE, ARRIVALS, SPLIT_K: tl.constexpr):
+    """A split-K unit's partial sum in, (the tile's whole sum, True) out if it is the last of
+    its tile's SPLIT_K units to arrive, else (acc, False).
+
+    Ordering (the pattern of CUTLASS's split-K semaphore): every thread stores its part of
+    the partial, the block barrier orders those stores before the one thread that issues the
+    arrival, whose acq_rel atomic at GPU scope publishes them (release is cumulative) and,
+    in the last unit, makes every other unit's published partial visible (acquire). The
+    partials are read with .cg (from L2, the coherence point, never a stale L1 line)."""
+    inside = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    at = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    tile = unit % num_tiles
+    tl.store(PARTIALS + (unit // num_tiles).to(tl.int64) * SLICE + at, acc, mask=inside)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(ARRIVALS + tile, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLIT_K - 1
+    if last:
+        acc = tl.load(PARTIALS + at, mask=inside, other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLIT_K):
+            acc += tl.load(PARTIALS + s * SLICE + at, mask=inside, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(ARRIVALS + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+    return acc, last
+
+
+@triton.jit
 def gemm_tma_kernel(
-    a_desc, b_desc, c_desc, BIAS, RES, PRE, SA, SB, PARTIALS,
-    M, N, K, srm, srn, spm, spn, ssam, ssbn, M_BUCKET, NUM_PROGRAMS,
+    a_desc, b_desc, c_desc, BIAS, RES, PRE, SA, SB, PARTIALS, ARRIVALS,
+    M, N, K, srm, srn, spm, spn, ssam, ssbn, SLICE, M_BUCKET, SPLIT_CHOICES, NUM_PROGRAMS,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     A_K_CONTIGUOUS: tl.constexpr, B_N_CONTIGUOUS: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
     ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SAVE_PREACT: tl.constexpr,
@@ -214,10 +239,15 @@ def gemm_tma_kernel(
     SPLIT_K > 1 (split-K, for products of few output tiles: 128 x 4096 has 32 of 128 x 128,
     a quarter of an H200's SMs, each walking all of K): the work units are (tile, slice of
     K), SPLIT_K slices a tile, so SPLIT_K times as many SMs stream b. Each unit stores its
-    float32 partial sum to PARTIALS[slice] (SPLIT_K x M x N, row-major) and no epilogue;
-    splitk_sum_kernel then adds the slices in order (the result does not depend on which
-    unit finished first) and runs the epilogue. Bytes: + 2 x SPLIT_K x M x N x 4 (written,
-    then read back, mostly from L2)."""
+    float32 partial sum to PARTIALS[slice] (SPLIT_K x M x N, row-major, SLICE = M x N
+    elements apart) and counts itself in ARRIVALS[tile] (int32, zero at launch); the unit
+    that arrives last adds the SPLIT_K partials in slice order (so the bits do not depend on
+    which unit was last), runs the epilogue, and sets the count back to zero for the next
+    launch. No second kernel: a separate summing pass cost 1.2-5.7 us and a launch gap
+    (benchmarks/results/nvidia-h200/gemm/8a845ed-split-k-two-pass/). Bytes: + SPLIT_K x
+    M x N x 4 written and read back (from L2: just written). M_BUCKET and SPLIT_CHOICES (the
+    slice counts the autotuner may pick SPLIT_K from, one bit each) are only its key.
+    """
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     num_tiles = tiles_m * tiles_n
@@ -245,43 +275,16 @@ def gemm_tma_kernel(
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         if SPLIT_K > 1:
-            partial = PARTIALS + (unit_c // num_tiles).to(tl.int64) * M * N
-            tl.store(partial + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc,
-                     mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+            acc, last = _split_k_arrive(acc, unit_c, num_tiles, offs_m, offs_n, M, N, PARTIALS, SLICE, ARRIVALS,
+                                        SPLIT_K)
         else:
+            last = True
+        if last:
             if SCALED:
                 acc = _dequantized(acc, SA, SB, offs_m, offs_n, M, N, ssam, ssbn)
-            z, _ = _epilogue(acc, offs_m, offs_n, M, N, BIAS, RES, PRE, srm, srn, spm, spn,
-                             ACTIVATION, HAS_BIAS, HAS_RESIDUAL, SAVE_PREACT, PRECISE, BF16_OUT)
+            z, _inside = _epilogue(acc, offs_m, offs_n, M, N, BIAS, RES, PRE, srm, srn, spm, spn,
+                                   ACTIVATION, HAS_BIAS, HAS_RESIDUAL, SAVE_PREACT, PRECISE, BF16_OUT)
             c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], z.to(c_desc.dtype))
-
-
-@triton.jit
-def splitk_sum_kernel(
-    PARTIALS, C, BIAS, RES, PRE, SA, SB,
-    M, N, SLICE, scm, scn, srm, srn, spm, spn, ssam, ssbn,
-    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SAVE_PREACT: tl.constexpr,
-    PRECISE: tl.constexpr, BF16_OUT: tl.constexpr, SCALED: tl.constexpr,
-):
-    """The second pass of split-K: C = epilogue(sum over s of PARTIALS[s]) for one
-    BLOCK_M x BLOCK_N tile, the slices added in order 0, 1, ... (the same bits whatever the
-    order the first pass finished in), then the dequantization and the epilogue that
-    gemm_tma_kernel runs unsplit. SLICE = M x N, the elements of one slice (64-bit when it
-    must be). Bytes: SPLIT_K x M x N x 4 read (just written: mostly L2),
-    the output (and preact) written, the epilogue's reads; SPLIT_K x M x N FLOPs."""
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    inside = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    at = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    acc = tl.load(PARTIALS + at, mask=inside, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(PARTIALS + s * SLICE + at, mask=inside, other=0.0)
-    if SCALED:
-        acc = _dequantized(acc, SA, SB, offs_m, offs_n, M, N, ssam, ssbn)
-    z, inside = _epilogue(acc, offs_m, offs_n, M, N, BIAS, RES, PRE, srm, srn, spm, spn,
-                          ACTIVATION, HAS_BIAS, HAS_RESIDUAL, SAVE_PREACT, PRECISE, BF16_OUT)
-    tl.store(C + offs_m[:, None].to(tl.int64) * scm + offs_n[None, :] * scn, z.to(C.dtype.element_ty), mask=inside)
 
 
 @triton.jit

@@ -245,35 +245,38 @@ def test_tf32_on_both_triton_kernels(backend, device, use_tma, monkeypatch):
     assert bool(copies) == use_tma
 
 
-def count_split_k_sums(monkeypatch):
-    """Force the TMA kernel and return the list each split-K second pass (splitk_sum_kernel's
-    launch) appends its slice count to."""
+def record_tma_splits(monkeypatch):
+    """Force the TMA kernel and return the list each of its launches appends its slice
+    count to: the interpreter's, or the config the autotuner chose on the GPU."""
     from kernelforge.triton import gemm as triton_gemm
 
-    sums = []
-    launch = triton_gemm.launch
+    splits = []
+    launch = triton_gemm._launch
 
-    def counted(kernel, grid, *args, **kwargs):
-        if kernel is triton_gemm.splitk_sum_kernel:
-            sums.append(kwargs["SPLIT_K"])
-        return launch(kernel, grid, *args, **kwargs)
+    def recorded(kernels, signature, grid, args, kwargs, set_block_shapes=None, heuristics=None,
+                 interpreter_config=None):
+        launch(kernels, signature, grid, args, kwargs, set_block_shapes, heuristics, interpreter_config)
+        if signature[0] == "tma":
+            chosen = triton_gemm._CHOSEN.get(signature)
+            splits.append(interpreter_config["SPLIT_K"] if chosen is None else chosen[0]["SPLIT_K"])
 
     monkeypatch.setattr(triton_gemm, "USE_TMA", True)
-    monkeypatch.setattr(triton_gemm, "launch", counted)
-    return sums
+    monkeypatch.setattr(triton_gemm, "_launch", recorded)
+    return splits
 
 
 @pytest.mark.parametrize("backend,device", backend_cases(("triton",)))
 @pytest.mark.parametrize("split", [2, 3, 5])
 def test_split_k(backend, device, split, monkeypatch):
-    # Split-K: each tile's K in `split` slices, float32 partials, then a pass that sums them in
-    # order and runs the epilogue. Forced here on the TMA kernel (the GPU's rule splits only
-    # products of few output tiles). K = 40 is 3 of the interpreter's 16-deep K tiles, so 5
-    # slices leave two empty; K = 300 gives every slice several, and a partial last tile. The
-    # backward's GEMMs split too (the op's preact, saved by the second pass, feeds act').
+    # Split-K: each tile's K in `split` slices, float32 partials; the last slice of a tile to
+    # finish sums them in order and runs the epilogue. Forced here on the TMA kernel (on the
+    # GPU the autotuner may split only products of few output tiles). K = 40 is 3 of the
+    # interpreter's 16-deep K tiles, so 5 slices leave two empty; K = 300 gives every slice
+    # several, and a partial last tile. The backward's GEMMs split too (the preact the split
+    # forward saves feeds act').
     from kernelforge.triton import gemm as triton_gemm
 
-    sums = count_split_k_sums(monkeypatch)
+    splits = record_tma_splits(monkeypatch)
     monkeypatch.setattr(triton_gemm, "SPLIT_K", split)
     M, N = 70, 56
     for K in (40, 300):
@@ -283,21 +286,23 @@ def test_split_k(backend, device, split, monkeypatch):
             bias, residual = torch.randn(N, device=device, dtype=dtype), torch.randn(M, N, device=device, dtype=dtype)
             check(backend, device, dtype, a, weight.t(), bias, "gelu_tanh", residual, what=f"split {split} K {K}")
             check(backend, device, dtype, a, weight.t(), what=f"split {split} K {K} plain")
-    assert sums and set(sums) == {split}
+    assert splits and set(splits) == {split}
 
 
-@pytest.mark.parametrize("M,N,K,sms,split", [
-    (128, 4096, 4096, 132, 4),  # 32 tiles of 128 x 128: four slices of 1024 make 128 units
-    (16, 4096, 14336, 132, 4),
-    (128, 14336, 4096, 132, 1),  # 112 tiles already
-    (4096, 4096, 4096, 132, 1),
-    (128, 4096, 1024, 132, 2),  # slices of 512 at least
-    (128, 4096, 4096, 78, 2),  # fewer SMs
+@pytest.mark.parametrize("M,N,K,sms,choices", [
+    (128, 4096, 4096, 132, (1, 2, 4)),  # 32 tiles of 128 x 128
+    (16, 4096, 14336, 132, (1, 2, 4)),
+    (128, 14336, 4096, 132, (1,)),  # 112 tiles: more than half the SMs already
+    (4096, 4096, 4096, 132, (1,)),
+    (128, 4096, 1024, 132, (1, 2)),  # slices of 512 at least
+    (128, 4096, 4096, 60, (1,)),  # fewer SMs
 ])
-def test_split_k_rule(M, N, K, sms, split):
+def test_split_k_choices(M, N, K, sms, choices, monkeypatch):
     from kernelforge.triton import gemm as triton_gemm
 
-    assert triton_gemm._split_k(M, N, K, sms) == split
+    assert triton_gemm._split_choices(M, N, K, sms) == choices
+    monkeypatch.setattr(triton_gemm, "SPLIT_K", 3)
+    assert triton_gemm._split_choices(M, N, K, sms) == (3,)
 
 
 @pytest.mark.parametrize("backend,device", backend_cases(("reference", "triton")))

@@ -216,9 +216,9 @@ def test_split_k(backend, device, monkeypatch):
     # epilogue applied once, after the slices are summed. Both scalings, both accumulation
     # modes, K = 1040 (rows TMA can read) in 3 slices.
     from kernelforge.triton import gemm as triton_gemm
-    from tests.ops.test_gemm import count_split_k_sums
+    from tests.ops.test_gemm import record_tma_splits
 
-    sums = count_split_k_sums(monkeypatch)
+    splits = record_tma_splits(monkeypatch)
     monkeypatch.setattr(triton_gemm, "SPLIT_K", 3)
     M, K, N = 70, 1040, 48
     a = torch.randn(M, K, device=device)
@@ -240,7 +240,7 @@ def test_split_k(backend, device, monkeypatch):
                 assert (out.double() - oracle).abs().max().item() <= bound, label
             else:
                 assert_matches_oracle(out, same, oracle, label, reduced=K, terms_scale=scale)
-    assert sums == [3] * 4
+    assert splits == [3] * 4
 
 
 @pytest.mark.parametrize("backend,device", backend_cases(("reference", "triton")))
