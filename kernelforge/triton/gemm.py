@@ -284,7 +284,7 @@ def _take_tma(a: torch.Tensor, compute: str) -> bool:
     if interpreter_enabled() or a.device.type != "cuda" or device_capability(a.device)[0] < 9:
         return False
     # e4m3 tiles are 64 rows or more either way; at 16 rows the pointer kernel gives 0.67-0.85x
-    # torch._scaled_mm, the TMA kernel 1.01-1.46x (H200, gemm/<split-K run>/experiment.log)
+    # torch._scaled_mm, the TMA kernel 1.01-1.46x (H200, gemm/97faeaf-split-k/experiment/)
     return a.shape[1] >= _TMA_MIN_ROWS or compute == "fp8"
 
 
