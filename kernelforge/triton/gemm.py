@@ -3,8 +3,9 @@ interface, as kernelforge/reference/gemm.py defines it.
 
 Two kernels: on Hopper (sm_90+), one matrix of fp16/bf16/e4m3 operands in their own dtype
 (or tf32: float32 operands rounded by a separate pass first, see _tf32_copy), with
-more than 64 rows, 16-byte-aligned rows and one unit stride each, goes through TMA
-descriptors (gemm_tma_kernel); everything else (batches, fp32 / tf32, few rows, odd strides,
+more than 64 rows (e4m3: any), 16-byte-aligned rows and one unit stride each, goes through TMA
+descriptors (gemm_tma_kernel, which may also split K for products of few output tiles:
+_split_choices); everything else (batches, fp32 / tf32, few rows, odd strides,
 older GPUs) through pointers (gemm_kernel). USE_TMA overrides the choice (True / False;
 None: that rule), so the tests run both kernels, also under Triton's interpreter.
 A third, in Gluon (gemm_gluon.py, warp-specialized: a loader warp and two MMA warpgroups),
@@ -12,10 +13,10 @@ takes one matrix of 16-bit or e4m3 operands on sm_90, with any epilogue, when it
 (128 x 256; 128 x 128 for fp8 with the float32 promotion) give every SM one; USE_GLUON
 overrides its rule the same way.
 
-Tiles are autotuned on the GPU, once per (M rounded up to a power of two, N, K, operand
-layout, dtypes, epilogue) in a process: a first call at a new shape costs the compiles and
-timings of the candidates (seconds), later calls none. Under TRITON_INTERPRET=1 one small
-tile runs, so the CPU suite stays fast.
+Tiles (and split-K's slice count) are autotuned on the GPU, once per (M rounded up to a power
+of two, N, K, operand layout, dtypes, epilogue) in a process, timed by _tuning_bench: a first
+call at a new shape costs the compiles and timings of the candidates (seconds), later calls
+none. Under TRITON_INTERPRET=1 one small tile runs, so the CPU suite stays fast.
 """
 from __future__ import annotations
 
