@@ -1,5 +1,6 @@
-"""Split-K on the Triton TMA kernel (gemm_tma_kernel's SPLIT_K, then splitk_sum_kernel) at
-the issue's few-row LLM shapes, each slice count forced, against the baselines.
+"""Split-K on the Triton TMA kernel (gemm_tma_kernel's SPLIT_K; at 8a845ed a second kernel
+summed the slices, since 97faeaf the last unit of each tile does) at the issue's few-row LLM
+shapes, each slice count forced, against the baselines.
 
     PYTHONPATH=. python3 benchmarks/gemm_split_k_experiment.py [--splits 1 2 4 8] [--shapes M,N,K ...]
         [--deep] [--profile]
@@ -7,9 +8,9 @@ the issue's few-row LLM shapes, each slice count forced, against the baselines.
 Per shape: bf16 x @ W^T against cuBLAS; bias + gelu_tanh against eager linear + gelu (and its
 torch.compile); e4m3 with per-row scales, promoted and fast, against torch._scaled_mm. Each
 kf.gemm line runs the TMA kernel (USE_TMA True, the Gluon kernel off) at one slice count
-("tuned": the autotuner picks the split among _split_choices). Device time, as in gluon_gemm_experiment.py
-(whose report() prints the lines). --profile: each kernel's device time instead (torch.profiler,
-no L2 flush) and the tile configs the autotuner chose.
+("tuned": the autotuner picks the split among _split_choices). Device time, as in
+gluon_gemm_experiment.py (whose report() prints the lines). --profile: each kernel's device
+time instead (torch.profiler, no L2 flush) and the tile configs the autotuner chose.
 """
 from __future__ import annotations
 
@@ -19,8 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import kernelforge as kf
-from benchmarks.gluon_gemm_experiment import report
-from kernelforge.reference.gemm import fp8_scale, quantize_fp8
+from benchmarks.gluon_gemm_experiment import report, row_quantized
 from kernelforge.triton import gemm as triton_gemm
 
 SHAPES = ["16,4096,4096", "16,14336,4096", "16,4096,14336", "128,4096,4096", "128,14336,4096", "128,4096,14336"]
@@ -105,10 +105,7 @@ def main():
         report(f"{M}x{N}x{K} bias+gelu_tanh", flops, "eager", eager,
                [("torch.compile", torch.compile(eager, dynamic=False))]
                + runs_at(splits, lambda: kf.gemm(x, w.t(), bias=bias, activation="gelu_tanh")))
-        a32, w32 = x.float(), w.float()
-        sa, sw = fp8_scale(a32, "row", -1), fp8_scale(w32, "row", -1)
-        qa, qw = quantize_fp8(a32, sa), quantize_fp8(w32, sw)
-        sb = sw.reshape(1, N)
+        qa, qw, sa, sb = row_quantized(x.float(), w.float())
         for fast in (False, True):
             report(f"{M}x{N}x{K} fp8 row {'fast accum' if fast else 'promoted'}", flops, "torch._scaled_mm",
                    lambda fast=fast: torch._scaled_mm(qa, qw.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,

@@ -70,11 +70,13 @@ def tma_gemm(a, b, bias, activation, config, scales=None, per_sm=1):
     _tma_block_shapes(dict(zip(("a_desc", "b_desc", "c_desc"), descriptors), **orders, **kw))
     sms = _sms(a.device) * per_sm
     grid = (min(sms, triton.cdiv(M, kw["BLOCK_M"]) * triton.cdiv(N, kw["BLOCK_N"])),)
-    gemm_tma_kernel[grid](*descriptors, bias if bias is not None else c, c, c, sa, sb, M, N, K, 0, 0, 0, 0, ssam,
-                          ssbn, triton.next_power_of_2(M), sms, COMPUTE=compute, PRECISION="tf32", **orders,
-                          ACTIVATION=activation or "none", HAS_BIAS=bias is not None, HAS_RESIDUAL=False,
+    # unsplit: the split-K partials and arrival counts are never read (c stands in), SPLIT_CHOICES
+    # is 1 << 1
+    gemm_tma_kernel[grid](*descriptors, bias if bias is not None else c, c, c, sa, sb, c, c, M, N, K, 0, 0, 0, 0,
+                          ssam, ssbn, M * N, triton.next_power_of_2(M), 2, sms, COMPUTE=compute, PRECISION="tf32",
+                          **orders, ACTIVATION=activation or "none", HAS_BIAS=bias is not None, HAS_RESIDUAL=False,
                           SAVE_PREACT=False, PRECISE=True, BF16_OUT=FAST_BF16 and c.dtype == torch.bfloat16, **kw,
-                          **fp8, num_warps=config.num_warps, num_stages=config.num_stages)
+                          SPLIT_K=1, **fp8, num_warps=config.num_warps, num_stages=config.num_stages)
     return c
 
 

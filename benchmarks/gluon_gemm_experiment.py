@@ -112,12 +112,17 @@ def epilogue(M, N, K, sms):
     report(f"{M}x{N}x{K} bias+gelu_tanh", 2 * M * N * K, "eager", eager, runs)
 
 
+def row_quantized(a, w):
+    """(e4m3 a (M, K), e4m3 w (N, K), scale_a (M, 1), scale_b (1, N)): per-row scales of a and of
+    w's rows, the columns of b = w^T, as torch._scaled_mm takes them."""
+    sa, sw = fp8_scale(a, "row", -1), fp8_scale(w, "row", -1)
+    return quantize_fp8(a, sa), quantize_fp8(w, sw), sa, sw.reshape(1, -1)
+
+
 def fp8(M, N, K, sms):
     a = torch.randn(M, K, device="cuda")
     w = torch.randn(N, K, device="cuda") / K ** 0.5
-    sa, sw = fp8_scale(a, "row", -1), fp8_scale(w, "row", -1)
-    qa, qw = quantize_fp8(a, sa), quantize_fp8(w, sw)
-    sb = sw.reshape(1, N)
+    qa, qw, sa, sb = row_quantized(a, w)
     for fast in (False, True):
         mode = "fast accum" if fast else "promoted"
         runs = [(f"kf.gemm triton {mode}", with_gluon(False, lambda fast=fast: kf.gemm(
