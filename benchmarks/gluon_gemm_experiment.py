@@ -5,14 +5,12 @@ PyTorch, torch.compile and the library's Triton kernels, at the issue's shapes.
 
 Modes:
 - bf16: the plain product, both layouts of b (a Linear weight read K-major, "nt"; row-major
-  b, "nn"), two tile configs with whole tiles only and with stream-K ("sk": the last tiles' K
-  loops shared out among all the SMs, gemm_gluon.stream_k_plan), against torch.matmul
-  (cuBLAS);
+  b, "nn"), several tile configs, against torch.matmul (cuBLAS);
 - epilogue: y = gelu_tanh(x @ W^T + bias), bf16, through kf.gemm (Gluon, and the Triton TMA
   kernel with USE_GLUON False) against eager F.gelu(F.linear(...)) and its torch.compile;
 - fp8: e4m3 operands with per-row scales, bf16 out, with the float32 promotion and with fast
-  accumulation, two tiles with and without stream-K, against torch._scaled_mm the same two
-  ways; and the Triton kernel through kf.gemm.
+  accumulation, several stage counts, against torch._scaled_mm the same two ways; and the
+  Triton kernel through kf.gemm.
 
 Times are device time (kernelforge.bench.timing.time_function: an L2 flush before each run and
 the GPU held until the call is queued, so host time does not count), median of 100. Each line:
@@ -33,19 +31,19 @@ from kernelforge.reference.gemm import fp8_scale, quantize_fp8
 from kernelforge.triton import gemm as triton_gemm
 from kernelforge.triton import gemm_gluon
 
-BF16_CONFIGS = [  # each with whole tiles only (stream_k False) and with stream-K wherever tiles leave SMs idle
-    dict(block_m=128, block_n=256, block_k=64, group_m=8, stages=3, stream_k=False),
-    dict(block_m=128, block_n=256, block_k=64, group_m=8, stages=3, stream_k=True),
-    dict(block_m=128, block_n=128, block_k=64, group_m=8, stages=4, stream_k=False),
-    dict(block_m=128, block_n=128, block_k=64, group_m=8, stages=4, stream_k=True),
+BF16_CONFIGS = [
+    dict(block_m=128, block_n=256, block_k=64, group_m=8, stages=3),
+    dict(block_m=128, block_n=256, block_k=64, group_m=16, stages=3),
+    dict(block_m=128, block_n=128, block_k=64, group_m=8, stages=4),
+    # the same 144 KB of ring in finer stages: 5 of them prefetched while one is read, not 2
+    dict(block_m=128, block_n=256, block_k=32, group_m=8, stages=6),
 ]
 FP8_CONFIGS = [  # (label, fast accumulation, arguments() keywords)
-    ("promoted 128x128x128 6 stages", False, dict(stages=6, stream_k=False)),
-    ("promoted 128x128x128 6 stages sk", False, dict(stages=6, stream_k=True)),
-    ("fast 128x256x128 3 stages", True, dict(stages=3, stream_k=False)),
-    ("fast 128x256x128 3 stages sk", True, dict(stages=3, stream_k=True)),
-    ("fast 128x128x128 6 stages", True, dict(block_n=128, stages=6, stream_k=False)),
-    ("fast 128x128x128 6 stages sk", True, dict(block_n=128, stages=6, stream_k=True)),
+    ("promoted 128x128x128 4 stages", False, dict(stages=4)),
+    ("promoted 128x128x128 6 stages", False, dict(stages=6)),
+    ("promoted 128x128x128 g16 6 stages", False, dict(stages=6, group_m=16)),
+    ("fast 128x256x128 3 stages", True, dict(stages=3)),
+    ("fast 128x128x128 6 stages", True, dict(block_n=128, stages=6)),
 ]
 SHAPES = ["4096,4096,4096", "8192,8192,8192", "4096,14336,4096", "4096,4096,14336"]
 
@@ -94,8 +92,7 @@ def bf16(M, N, K, sms):
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
     for layout, b in (("nt", w.t()), ("nn", w.t().contiguous())):
         runs = [("kf.gemm", lambda: kf.gemm(a, b))]
-        runs += [(f"gluon {c['block_m']}x{c['block_n']}x{c['block_k']} g{c['group_m']} {c['stages']}s"
-                  f"{' sk' if c['stream_k'] else ''}",
+        runs += [(f"gluon {c['block_m']}x{c['block_n']}x{c['block_k']} g{c['group_m']} {c['stages']}s",
                   lambda c=c: gemm_gluon.gemm(a, b, sms, **c)) for c in BF16_CONFIGS]
         report(f"{M}x{N}x{K} {layout}", 2 * M * N * K, "cuBLAS", lambda: torch.matmul(a, b), runs)
 
@@ -128,8 +125,8 @@ def fp8(M, N, K, sms):
     qa, qw, sa, sb = row_quantized(a, w)
     for fast in (False, True):
         mode = "fast accum" if fast else "promoted"
-        product = lambda fast=fast: kf.gemm(qa, qw.t(), scale_a=sa, scale_b=sb, fp8_fast_accum=fast)  # noqa: E731
-        runs = [(f"kf.gemm triton {mode}", with_gluon(False, product)), (f"kf.gemm {mode}", with_gluon(None, product))]
+        runs = [(f"kf.gemm triton {mode}", with_gluon(False, lambda fast=fast: kf.gemm(
+            qa, qw.t(), scale_a=sa, scale_b=sb, fp8_fast_accum=fast)))]
         runs += [(f"gluon {label}", lambda c=c, f=f: gemm_gluon.gemm(
             qa, qw.t(), sms, out_dtype=torch.bfloat16, scale_a=sa[:, 0], scale_b=sb[0], fast_accum=f, **c))
             for label, f, c in FP8_CONFIGS if f == fast]

@@ -67,24 +67,6 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-# Arrival counts and ready flags of kernels whose programs hand partial sums to one another
-# (split-K in gemm_kernels.gemm_tma_kernel, stream-K in gemm_gluon.gemm_ws_kernel): one zeroed
-# int32 buffer per (device, stream). Each kernel sets every entry it uses back to zero before it
-# ends, so launches in one stream (which run one after another) share a buffer without a
-# memset, and streams never share one.
-_ARRIVALS: dict = {}
-
-
-def arrival_counts(device: torch.device, count: int) -> torch.Tensor:
-    """The zeroed int32 buffer of the current stream of `device`, `count` entries at least."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    counts = _ARRIVALS.get(key)
-    if counts is None or counts.numel() < count:
-        counts = torch.zeros(max(count, 4096), device=device, dtype=torch.int32)
-        _ARRIVALS[key] = counts
-    return counts
-
-
 class on_device:
     """Make x's device current for the launch when it is not (Triton launches on the
     current device); costs nothing in the common case."""

@@ -29,8 +29,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernelforge.bench.timing import time_function
 from kernelforge.triton import interpreter_enabled
-from kernelforge.triton._launch import (arrival_counts, cdiv, device_capability, gluon_module, launch,
-                                        next_power_of_2, on_device, sm_count)
+from kernelforge.triton._launch import (cdiv, device_capability, gluon_module, launch, next_power_of_2, on_device,
+                                        sm_count)
 from kernelforge.triton.gemm_kernels import gemm_kernel, gemm_tma_kernel, round_tf32_kernel
 
 USE_TMA: Optional[bool] = None
@@ -396,7 +396,7 @@ def _launch_tma(tma, out, pointers, residual, preact, M, N, K, compute, epilogue
     partials, arrivals = out, out  # not read unsplit
     if split > 1:
         partials = torch.empty(split, M, N, device=out.device, dtype=torch.float32)
-        arrivals = arrival_counts(out.device, cdiv(M, 32) * cdiv(N, 32))  # every tile is 32 x 32 or larger
+        arrivals = _arrival_counts(out.device, cdiv(M, 32) * cdiv(N, 32))  # every tile is 32 x 32 or larger
 
     def set_block_shapes(config_kwargs):  # what the autotuner's pre-hook does when it launches
         _tma_block_shapes(dict(zip(("a_desc", "b_desc", "c_desc"), descriptors), **orders, **config_kwargs))
@@ -410,3 +410,18 @@ def _launch_tma(tma, out, pointers, residual, preact, M, N, K, compute, epilogue
              _split_mask(choices), sms),
             dict(COMPUTE=compute, PRECISION=_PRECISION[compute], **orders, **epilogue),
             set_block_shapes, interpreter_config={"SPLIT_K": choices[-1]})
+
+
+# Split-K's arrival counts, one zeroed int32 buffer per (device, stream): gemm_tma_kernel sets
+# every count it uses back to zero before it ends, so launches in one stream (which run one
+# after another) share a buffer without a memset, and streams never share one.
+_ARRIVALS: dict = {}
+
+
+def _arrival_counts(device: torch.device, count: int) -> torch.Tensor:
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    counts = _ARRIVALS.get(key)
+    if counts is None or counts.numel() < count:
+        counts = torch.zeros(max(count, 4096), device=device, dtype=torch.int32)
+        _ARRIVALS[key] = counts
+    return counts

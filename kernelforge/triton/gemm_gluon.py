@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernelforge.triton._launch import arrival_counts, cdiv, launch
+from kernelforge.triton._launch import cdiv, launch
 from kernelforge.triton.gemm_kernels import _bias_activation, _dequantized, _tile_coordinates
 
 FP8 = torch.float8_e4m3fn
@@ -39,82 +39,36 @@ OPERAND_DTYPES = (torch.bfloat16, torch.float16, FP8)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # of e4m3 products
 SHARED_BYTES = 227 * 1024 - 1024  # what one program may take on an H100 / H200, less the barriers
 LOADER_REGISTERS = gl.constexpr(40)  # the loader warp only computes coordinates: the rest go to the consumers
-STREAM_K = None  # None: stream_k_plan's rule; False: whole tiles only; True: stream-K wherever the tiles leave SMs idle
-# The rule's bound: stream-K where the last wave of whole tiles leaves more than a tenth of the
-# SMs idle. A split tile costs its partial's float32 write and read (128 KB each at 128 x 256)
-# on the way to its epilogue, so a nearly full last wave gains less than it costs.
-STREAM_K_MAX_TAIL = 0.9
 
 
 @gluon.jit
-def _stream_k_start(program, programs, sk_iters):
-    """The first stream-K iteration of `program`: the sk_iters (tile, K step) iterations of the
-    stream-K tiles, in order, split into `programs` ranges whose lengths differ by one at most."""
-    return (program.to(gl.int64) * sk_iters // programs).to(gl.int32)
-
-
-@gluon.jit
-def _stream_k_pieces(k_tiles, sk_iters):
-    """(first iteration, end, last tile, pieces) of this program's stream-K range: it covers the
-    end of one tile, whole tiles, the start of another (pieces: the tiles it touches). Both
-    partitions walk the pieces last tile first, so a program's piece that leaves a partial for
-    another (the start of a tile, which ends in a later program's range) comes before its own
-    pieces, and the program that ends a tile sums it last: peers' partials are ready by then."""
-    program = gl.program_id(0)
-    programs = gl.num_programs(0)
-    start = _stream_k_start(program, programs, sk_iters)
-    end = _stream_k_start(program + 1, programs, sk_iters)  # > start: stream_k_plan keeps sk_iters >= programs
-    last_tile = (end - 1) // k_tiles
-    return start, end, last_tile, last_tile - start // k_tiles + 1
-
-
-@gluon.jit
-def _load_k_steps(a_desc, b_desc, a_ring, b_ring, ready, empty, step, pid_m, pid_n, k_begin, k_end,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                  A_M_MAJOR: gl.constexpr, B_K_MAJOR: gl.constexpr):
-    """K steps [k_begin, k_end) of one tile, each into the next ring stage once the consumers
-    have handed it back (empty), completing on its ready barrier; returns the next step."""
-    for kk in range(k_begin, k_end):
-        stage = step % STAGES
-        # a fresh barrier counts as having completed the phase before its first: the
-        # first pass over the ring does not wait
-        mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(stage), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-        if A_M_MAJOR:  # a^T stored (K, M) row-major, as the weight gradient's a^T @ dz reads it
-            tma.async_copy_global_to_shared(a_desc, [kk * BLOCK_K, pid_m * BLOCK_M], ready.index(stage),
-                                            a_ring.index(stage))
-        else:
-            tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK_M, kk * BLOCK_K], ready.index(stage),
-                                            a_ring.index(stage))
-        if B_K_MAJOR:  # b^T stored (N, K) row-major, as a Linear weight
-            tma.async_copy_global_to_shared(b_desc, [pid_n * BLOCK_N, kk * BLOCK_K], ready.index(stage),
-                                            b_ring.index(stage))
-        else:
-            tma.async_copy_global_to_shared(b_desc, [kk * BLOCK_K, pid_n * BLOCK_N], ready.index(stage),
-                                            b_ring.index(stage))
-        step += 1
-    return step
-
-
-@gluon.jit
-def _loader(a_desc, b_desc, a_ring, b_ring, ready, empty, tiles_m, tiles_n, k_tiles, dp_tiles, sk_iters,
+def _loader(a_desc, b_desc, a_ring, b_ring, ready, empty, tiles_m, tiles_n, k_tiles,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-            STAGES: gl.constexpr, A_M_MAJOR: gl.constexpr, B_K_MAJOR: gl.constexpr, STREAM_K: gl.constexpr):
-    """The loader warp: the K steps of this program's work in the consumers' order (its whole
-    tiles, then its stream-K pieces), through the ring."""
+            STAGES: gl.constexpr, A_M_MAJOR: gl.constexpr, B_K_MAJOR: gl.constexpr):
+    """The loader warp: every (tile, K step) of this program in order, each into the next ring
+    stage once the consumers have handed it back (empty), completing on its ready barrier."""
     step = 0
-    for tile in range(gl.program_id(0), dp_tiles, gl.num_programs(0)):
+    for tile in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
         _, pid_m, pid_n = _tile_coordinates(tile, tiles_m, tiles_n, GROUP_M)
-        step = _load_k_steps(a_desc, b_desc, a_ring, b_ring, ready, empty, step, pid_m, pid_n, 0, k_tiles,
-                             BLOCK_M, BLOCK_N, BLOCK_K, STAGES, A_M_MAJOR, B_K_MAJOR)
-    if STREAM_K:
-        start, end, last_tile, pieces = _stream_k_pieces(k_tiles, sk_iters)
-        for i in range(pieces):
-            t = last_tile - i
-            _, pid_m, pid_n = _tile_coordinates(dp_tiles + t, tiles_m, tiles_n, GROUP_M)
-            step = _load_k_steps(a_desc, b_desc, a_ring, b_ring, ready, empty, step, pid_m, pid_n,
-                                 gl.maximum(start - t * k_tiles, 0), gl.minimum(end - t * k_tiles, k_tiles),
-                                 BLOCK_M, BLOCK_N, BLOCK_K, STAGES, A_M_MAJOR, B_K_MAJOR)
+        for kk in range(k_tiles):
+            stage = step % STAGES
+            # a fresh barrier counts as having completed the phase before its first: the
+            # first pass over the ring does not wait
+            mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(stage), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            if A_M_MAJOR:  # a^T stored (K, M) row-major, as the weight gradient's a^T @ dz reads it
+                tma.async_copy_global_to_shared(a_desc, [kk * BLOCK_K, pid_m * BLOCK_M], ready.index(stage),
+                                                a_ring.index(stage))
+            else:
+                tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK_M, kk * BLOCK_K], ready.index(stage),
+                                                a_ring.index(stage))
+            if B_K_MAJOR:  # b^T stored (N, K) row-major, as a Linear weight
+                tma.async_copy_global_to_shared(b_desc, [pid_n * BLOCK_N, kk * BLOCK_K], ready.index(stage),
+                                                b_ring.index(stage))
+            else:
+                tma.async_copy_global_to_shared(b_desc, [kk * BLOCK_K, pid_n * BLOCK_N], ready.index(stage),
+                                                b_ring.index(stage))
+            step += 1
 
 
 @gluon.jit
@@ -250,117 +204,43 @@ def _epilogue(acc, off_m, off_n, c_desc, c_smem, res_desc, pre_desc, res_ready, 
 
 
 @gluon.jit
-def _k_steps(a_ring, b_ring, ready, empty, step, k_steps, acc_layout: gl.constexpr, BLOCK_M: gl.constexpr,
-             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, A_M_MAJOR: gl.constexpr, B_K_MAJOR: gl.constexpr,
-             PROMOTE: gl.constexpr):
-    """(the float32 product of the next k_steps ring steps, the step after them)."""
-    if PROMOTE:
-        acc, step = _accumulate_promoted(a_ring, b_ring, ready, empty, step, k_steps, acc_layout, BLOCK_M, BLOCK_N,
-                                         STAGES, A_M_MAJOR, B_K_MAJOR)
-    else:
-        acc, step = _accumulate(a_ring, b_ring, ready, empty, step, k_steps, acc_layout, BLOCK_M, BLOCK_N, STAGES,
-                                A_M_MAJOR, B_K_MAJOR)
-    return acc, step
-
-
-@gluon.jit
-def _partial_pointers(acc, PARTIALS, program):
-    """Pointers to `program`'s row-major float32 partial tile, in acc's layout: each warp
-    writes whole 32-byte sectors (8 rows x 8 columns a register pair). Made where they are
-    used: held across the K loop next to the accumulator they would spill."""
-    layout: gl.constexpr = acc.type.layout
-    BLOCK_M: gl.constexpr = acc.type.shape[0]
-    BLOCK_N: gl.constexpr = acc.type.shape[1]
-    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    return PARTIALS + program * (BLOCK_M * BLOCK_N) + rows[:, None] * BLOCK_N + cols[None, :]
-
-
-@gluon.jit
-def _publish_partial(acc, PARTIALS, FLAGS):
-    """Leave this program's partial (the start of a tile another program ends) in its slot of
-    PARTIALS and raise its flag: every consumer thread's stores, then (after the partition's
-    barrier) one release at GPU scope, CUTLASS's stream-K / split-K pattern."""
-    program = gl.program_id(0)
-    gl.store(_partial_pointers(acc, PARTIALS, program), acc)
-    gl.thread_barrier()
-    gl.atomic_xchg(FLAGS + program, 1, sem="release", scope="gpu")
-
-
-@gluon.jit
-def _add_peer_partials(acc, PARTIALS, FLAGS, tile_start, sk_iters):
-    """acc + the partials of the tile whose first stream-K iteration is tile_start, left by the
-    programs before this one whose ranges meet it, in program order (a fixed order: the sum's
-    bits do not depend on which program finished first). Each flag is waited for with acquire
-    at GPU scope and set back to zero in the same atomic, for the next launch."""
-    program = gl.program_id(0)
-    programs = gl.num_programs(0)
-    # the program whose range holds tile_start: the last q with _stream_k_start(q) <= tile_start
-    first = ((tile_start.to(gl.int64) + 1) * programs - 1) // sk_iters
-    for q in range(first.to(gl.int32), program):  # every range holds an iteration: each left a partial
-        while gl.atomic_cas(FLAGS + q, 1, 0, sem="acquire", scope="gpu") != 1:
-            pass
-        acc += gl.load(_partial_pointers(acc, PARTIALS, q), cache_modifier=".cg")
-    return acc
-
-
-@gluon.jit
-def _consumer(c_desc, res_desc, pre_desc, a_ring, b_ring, ready, empty, res_ready, c_smem, BIAS, SA, SB, PARTIALS,
-              FLAGS, M, N, ssam, ssbn, tiles_m, tiles_n, k_tiles, dp_tiles, sk_iters, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, A_M_MAJOR: gl.constexpr,
-              B_K_MAJOR: gl.constexpr, PROMOTE: gl.constexpr, STREAM_K: gl.constexpr, ACTIVATION: gl.constexpr,
-              HAS_BIAS: gl.constexpr, HAS_RESIDUAL: gl.constexpr, SAVE_PREACT: gl.constexpr, SCALED: gl.constexpr,
-              PRECISE: gl.constexpr, BF16_OUT: gl.constexpr, num_warps: gl.constexpr):
-    """The consumer warpgroups: per tile, the K loop of async wgmma, then the epilogue; then the
-    stream-K pieces: a piece that ends its tile adds the peers' partials and runs the epilogue,
-    one that does not leaves its partial for the program that ends the tile."""
+def _consumer(c_desc, res_desc, pre_desc, a_ring, b_ring, ready, empty, res_ready, c_smem, BIAS, SA, SB, M, N,
+              ssam, ssbn, tiles_m, tiles_n, k_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              GROUP_M: gl.constexpr, STAGES: gl.constexpr, A_M_MAJOR: gl.constexpr, B_K_MAJOR: gl.constexpr,
+              PROMOTE: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
+              SAVE_PREACT: gl.constexpr, SCALED: gl.constexpr, PRECISE: gl.constexpr, BF16_OUT: gl.constexpr,
+              num_warps: gl.constexpr):
+    """The consumer warpgroups: per tile, the K loop of async wgmma, then the epilogue."""
     # wgmma's K step: 32 bytes of operands (16 bf16 / fp16, 32 e4m3)
     instr_k: gl.constexpr = 256 // a_ring.dtype.primitive_bitwidth
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_N, instr_k])
     step = 0
     done = 0
-    for tile in range(gl.program_id(0), dp_tiles, gl.num_programs(0)):
+    for tile in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
         _, pid_m, pid_n = _tile_coordinates(tile, tiles_m, tiles_n, GROUP_M)
-        acc, step = _k_steps(a_ring, b_ring, ready, empty, step, k_tiles, acc_layout, BLOCK_M, BLOCK_N, STAGES,
-                             A_M_MAJOR, B_K_MAJOR, PROMOTE)
+        if PROMOTE:
+            acc, step = _accumulate_promoted(a_ring, b_ring, ready, empty, step, k_tiles, acc_layout, BLOCK_M,
+                                             BLOCK_N, STAGES, A_M_MAJOR, B_K_MAJOR)
+        else:
+            acc, step = _accumulate(a_ring, b_ring, ready, empty, step, k_tiles, acc_layout, BLOCK_M, BLOCK_N,
+                                    STAGES, A_M_MAJOR, B_K_MAJOR)
         _epilogue(acc, pid_m * BLOCK_M, pid_n * BLOCK_N, c_desc, c_smem, res_desc, pre_desc, res_ready, done & 1,
                   BIAS, SA, SB, M, N, ssam, ssbn, ACTIVATION, HAS_BIAS, HAS_RESIDUAL, SAVE_PREACT, SCALED, PRECISE,
                   BF16_OUT)
         done += 1
-    if STREAM_K:
-        start, end, last_tile, pieces = _stream_k_pieces(k_tiles, sk_iters)
-        for i in range(pieces):
-            t = last_tile - i
-            k_begin = gl.maximum(start - t * k_tiles, 0)
-            k_end = gl.minimum(end - t * k_tiles, k_tiles)
-            acc, step = _k_steps(a_ring, b_ring, ready, empty, step, k_end - k_begin, acc_layout, BLOCK_M, BLOCK_N,
-                                 STAGES, A_M_MAJOR, B_K_MAJOR, PROMOTE)
-            if k_end == k_tiles:  # this piece ends the tile: this program finishes it
-                if k_begin > 0:
-                    acc = _add_peer_partials(acc, PARTIALS, FLAGS, t * k_tiles, sk_iters)
-                _, pid_m, pid_n = _tile_coordinates(dp_tiles + t, tiles_m, tiles_n, GROUP_M)
-                _epilogue(acc, pid_m * BLOCK_M, pid_n * BLOCK_N, c_desc, c_smem, res_desc, pre_desc, res_ready,
-                          done & 1, BIAS, SA, SB, M, N, ssam, ssbn, ACTIVATION, HAS_BIAS, HAS_RESIDUAL, SAVE_PREACT,
-                          SCALED, PRECISE, BF16_OUT)
-                done += 1
-            else:
-                _publish_partial(acc, PARTIALS, FLAGS)
     tma.store_wait(0)
 
 
 @gluon.jit
-def gemm_ws_kernel(a_desc, b_desc, c_desc, res_desc, pre_desc, BIAS, SA, SB, PARTIALS, FLAGS, M, N, K, ssam, ssbn,
-                   dp_tiles, sk_iters, GROUP_M: gl.constexpr, STAGES: gl.constexpr, A_M_MAJOR: gl.constexpr,
-                   B_K_MAJOR: gl.constexpr, PROMOTE: gl.constexpr, STREAM_K: gl.constexpr, ACTIVATION: gl.constexpr,
-                   HAS_BIAS: gl.constexpr, HAS_RESIDUAL: gl.constexpr, SAVE_PREACT: gl.constexpr,
-                   SCALED: gl.constexpr, PRECISE: gl.constexpr, BF16_OUT: gl.constexpr, num_warps: gl.constexpr):
-    """Persistent: program p takes the whole tiles p, p + programs, ... below dp_tiles (grouped
-    order); with STREAM_K the (tile, K step) iterations of the tiles after them, sk_iters of
-    them, are then shared out evenly (stream_k_plan). res_desc and pre_desc (the residual
-    read, the pre-activation written) and the BIAS / SA / SB pointers are only touched under
-    their flags (the caller passes c's where they are not given); PARTIALS (programs float32
-    tiles) and FLAGS (programs zeroed int32) only under STREAM_K."""
+def gemm_ws_kernel(a_desc, b_desc, c_desc, res_desc, pre_desc, BIAS, SA, SB, M, N, K, ssam, ssbn,
+                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, A_M_MAJOR: gl.constexpr, B_K_MAJOR: gl.constexpr,
+                   PROMOTE: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr,
+                   HAS_RESIDUAL: gl.constexpr, SAVE_PREACT: gl.constexpr, SCALED: gl.constexpr,
+                   PRECISE: gl.constexpr, BF16_OUT: gl.constexpr, num_warps: gl.constexpr):
+    """Persistent: program p takes tiles p, p + programs, ... (grouped order). res_desc and
+    pre_desc (the residual read, the pre-activation written) and the BIAS / SA / SB pointers
+    are only touched under their flags (the caller passes c's where they are not given)."""
     BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = b_desc.block_type.shape[1] if B_K_MAJOR else b_desc.block_type.shape[0]
@@ -378,12 +258,12 @@ def gemm_ws_kernel(a_desc, b_desc, c_desc, res_desc, pre_desc, BIAS, SA, SB, PAR
     tiles_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
     gl.warp_specialize([
-        (_consumer, (c_desc, res_desc, pre_desc, a_ring, b_ring, ready, empty, res_ready, c_smem, BIAS, SA, SB,
-                     PARTIALS, FLAGS, M, N, ssam, ssbn, tiles_m, tiles_n, k_tiles, dp_tiles, sk_iters, BLOCK_M,
-                     BLOCK_N, GROUP_M, STAGES, A_M_MAJOR, B_K_MAJOR, PROMOTE, STREAM_K, ACTIVATION, HAS_BIAS,
-                     HAS_RESIDUAL, SAVE_PREACT, SCALED, PRECISE, BF16_OUT, num_warps)),
-        (_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, tiles_m, tiles_n, k_tiles, dp_tiles, sk_iters,
-                   BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, A_M_MAJOR, B_K_MAJOR, STREAM_K)),
+        (_consumer, (c_desc, res_desc, pre_desc, a_ring, b_ring, ready, empty, res_ready, c_smem, BIAS, SA, SB, M, N,
+                     ssam, ssbn, tiles_m, tiles_n, k_tiles, BLOCK_M, BLOCK_N, GROUP_M, STAGES, A_M_MAJOR, B_K_MAJOR,
+                     PROMOTE, ACTIVATION, HAS_BIAS, HAS_RESIDUAL, SAVE_PREACT, SCALED, PRECISE, BF16_OUT,
+                     num_warps)),
+        (_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, tiles_m, tiles_n, k_tiles, BLOCK_M, BLOCK_N,
+                   BLOCK_K, GROUP_M, STAGES, A_M_MAJOR, B_K_MAJOR)),
     ], [1], [LOADER_REGISTERS])
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(st))
@@ -422,42 +302,14 @@ def _stages(block_m, block_n, block_k, a_dtype, out_dtype, most: int = 6) -> int
     return min(most, (SHARED_BYTES - block_m * block_n * out_dtype.itemsize) // stage)
 
 
-def stream_k_plan(tiles: int, k_tiles: int, sms: int, mode=None) -> tuple[int, int, int]:
-    """(programs, dp_tiles, sk_iters): whole tiles for the first dp_tiles (a multiple of the
-    programs), the sk_iters (tile, K step) iterations of the rest shared out evenly (stream-K).
-
-    Whole tiles alone leave the last wave's idle SMs idle: at 4096^3 (512 tiles of 128 x 256,
-    132 SMs) every program runs 4 tiles' K loops where 3.88 would do, and a product of 112
-    tiles uses 112 of 132 SMs. Stream-K splits the last tiles' K loops across all the
-    programs; a program that ends a tile adds its peers' float32 partials before the epilogue.
-    mode (None: STREAM_K): False never; True wherever the tiles do not divide evenly (a K step
-    a program at least); None where the last wave leaves more than a tenth of the SMs idle,
-    and below one wave only from half a wave of tiles (a tile in three pieces at most). A last
-    wave of under half the SMs takes a whole wave with it, so each program's share stays over
-    half a tile (CUTLASS's stream-K does the same)."""
-    mode = STREAM_K if mode is None else mode
-    whole = (min(sms, tiles), tiles, 0)
-    tail = tiles % sms
-    if mode is False or tail == 0:
-        return whole
-    if mode is None and (tail > STREAM_K_MAX_TAIL * sms or 2 * tiles < sms):
-        return whole
-    if tiles > sms and 2 * tail < sms:
-        tail += sms
-    if tail * k_tiles < sms:  # every program's range must hold an iteration (the kernel counts on it)
-        return whole
-    return sms, tiles - tail, tail * k_tiles
-
-
-def arguments(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sms: int, bias=None, residual=None, preact=None,
+def arguments(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias=None, residual=None, preact=None,
               scale_a=None, scale_b=None, activation=None, fast_accum: bool = False, block_m: int = 128,
-              block_n: int = None, block_k: int = None, group_m: int = 8, stages: int = None, stream_k=None):
-    """(positional arguments, constexprs, programs) of gemm_ws_kernel for out = act(a @ b * scales
-    + bias) + residual, preact = a @ b * scales, on `sms` SMs (stream_k: stream_k_plan's mode):
-    a (M, K) and b (K, N) either way round (rows where TMA can read them so, else their
-    transposes' rows: a Linear weight's transpose reads K-major; e4m3 both K-major only), out,
-    residual and preact (M, N) row-major, bias (N,), scale_a (M,) and scale_b (N,) float32
-    (stride 0: one scale)."""
+              block_n: int = None, block_k: int = None, group_m: int = 8, stages: int = None):
+    """(positional arguments, constexprs) of gemm_ws_kernel for out = act(a @ b * scales + bias)
+    + residual, preact = a @ b * scales: a (M, K) and b (K, N) either way round (rows where
+    TMA can read them so, else their transposes' rows: a Linear weight's transpose reads
+    K-major; e4m3 both K-major only), out, residual and preact (M, N) row-major, bias (N,),
+    scale_a (M,) and scale_b (N,) float32 (stride 0: one scale)."""
     M, K = a.shape
     N = b.shape[1]
     scaled = a.dtype == FP8
@@ -466,13 +318,6 @@ def arguments(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sms: int, bia
     block_n = block_n or default["block_n"]
     block_k = block_k or default["block_k"]
     stages = stages or _stages(block_m, block_n, block_k, a.dtype, out.dtype)
-    programs, dp_tiles, sk_iters = stream_k_plan(cdiv(M, block_m) * cdiv(N, block_n), cdiv(K, block_k), sms,
-                                                 stream_k)
-    # stream-K's ready flags (zeroed, and left so) and a float32 partial tile per program
-    flags = arrival_counts(out.device, programs)
-    partials = flags.view(torch.float32)  # never read without stream-K
-    if sk_iters:
-        partials = torch.empty(programs, block_m, block_n, device=out.device, dtype=torch.float32)
     a_m_major = not _tma_readable(a, 1)
     b_k_major = not _tma_readable(b, 1)
     a_desc = _descriptor(a.t(), [block_k, block_m]) if a_m_major else _descriptor(a, [block_m, block_k])
@@ -481,13 +326,13 @@ def arguments(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sms: int, bia
     res_desc = c_desc if residual is None else _descriptor(residual, [block_m, block_n])
     pre_desc = c_desc if preact is None else _descriptor(preact, [block_m, block_n])
     pointers = [t if t is not None else out for t in (bias, scale_a, scale_b)]
-    values = (a_desc, b_desc, c_desc, res_desc, pre_desc, *pointers, partials, flags, M, N, K,
-              scale_a.stride(0) if scaled else 0, scale_b.stride(0) if scaled else 0, dp_tiles, sk_iters)
+    values = (a_desc, b_desc, c_desc, res_desc, pre_desc, *pointers, M, N, K,
+              scale_a.stride(0) if scaled else 0, scale_b.stride(0) if scaled else 0)
     constexprs = dict(GROUP_M=group_m, STAGES=stages, A_M_MAJOR=a_m_major, B_K_MAJOR=b_k_major, PROMOTE=promote,
-                      STREAM_K=sk_iters > 0, ACTIVATION=activation or "none", HAS_BIAS=bias is not None,
-                      HAS_RESIDUAL=residual is not None, SAVE_PREACT=preact is not None, SCALED=scaled,
-                      PRECISE=True, BF16_OUT=out.dtype == torch.bfloat16, num_warps=8)
-    return values, constexprs, programs
+                      ACTIVATION=activation or "none", HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+                      SAVE_PREACT=preact is not None, SCALED=scaled, PRECISE=True,
+                      BF16_OUT=out.dtype == torch.bfloat16, num_warps=8)
+    return values, constexprs
 
 
 def _tma_readable(t: torch.Tensor, unit_dim: int) -> bool:
@@ -504,8 +349,8 @@ def takes(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, capability, sms: 
     with any epilogue): sm_90 (wgmma); 16-bit operands with out in their dtype, or e4m3 ones
     (K-major: the caller's _k_major made them so) with a 16-bit or float32 out that fits the
     shared memory; a and b either way round, all TMA-readable, a residual too (in out's dtype);
-    and (unless any_size) enough tiles to give every SM one, or stream-K's share of fewer
-    (stream_k_plan): smaller products keep the Triton kernels' smaller tiles."""
+    and (unless any_size) enough tiles to give every SM one (e4m3: three in four, of a full
+    tile's rows): smaller products keep the Triton kernels' smaller tiles."""
     if tuple(capability)[0] != 9 or a.dtype not in OPERAND_DTYPES or a.dtype != b.dtype:
         return False
     if a.dtype == FP8:
@@ -522,14 +367,21 @@ def takes(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, capability, sms: 
         return False
     M, N = out.shape
     tiles = cdiv(M, config["block_m"]) * cdiv(N, config["block_n"])
-    return any_size or tiles >= sms or stream_k_plan(tiles, cdiv(a.shape[1], config["block_k"]), sms)[2] > 0
+    # e4m3 with full-height tiles from 3/4 of the SMs' worth: at 128 x 14336 x 4096 (112 tiles
+    # of 128 x 128 on 132 SMs) 0.96x torch._scaled_mm against the Triton kernel's 0.88x; at 16
+    # rows the Triton kernel's 64-row tiles stay ahead (1.05x against 0.94x; H200,
+    # gemm/b093def-stream-k/run2-experiment-fp8.log)
+    fp8_rows = a.dtype == FP8 and M >= config["block_m"] and 4 * tiles >= 3 * sms
+    return any_size or tiles >= sms or fp8_rows
 
 
 def gemm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sms: int, **options) -> torch.Tensor:
     """out = act(a @ b * scales + bias) + residual by gemm_ws_kernel (what `takes` accepts),
     `sms` persistent programs at most; options: arguments()'s keywords."""
-    values, constexprs, programs = arguments(a, b, out, sms, **options)
-    launch(gemm_ws_kernel, (programs,), *values, **constexprs)
+    values, constexprs = arguments(a, b, out, **options)
+    block_m, block_n = values[2].block_shape
+    tiles = cdiv(a.shape[0], block_m) * cdiv(b.shape[1], block_n)
+    launch(gemm_ws_kernel, (max(1, min(sms, tiles)),), *values, **constexprs)
     return out
 
 
@@ -541,21 +393,18 @@ def gemm(a: torch.Tensor, b: torch.Tensor, sms: int, out_dtype=None, **options) 
 
 
 def compile_for_sm90(a_m_major: bool = False, b_k_major: bool = True, dtype: torch.dtype = torch.bfloat16,
-                     out_dtype: torch.dtype = None, epilogue: bool = False, fast_accum: bool = False,
-                     stream_k: bool = False) -> dict:
+                     out_dtype: torch.dtype = None, epilogue: bool = False, fast_accum: bool = False) -> dict:
     """Registers, spills and shared memory of gemm_ws_kernel built for sm_90a (no GPU needed);
-    epilogue: with bias, gelu_tanh, residual and the pre-activation; stream_k: with its pieces
-    (512^3 on 3 SMs)."""
+    epilogue: with bias, gelu_tanh, residual and the pre-activation."""
     from kernelforge.triton.attention_gluon import sm90_usage
     a = torch.zeros(512, 512, dtype=dtype)
     b = torch.zeros(512, 512, dtype=dtype)
     out = torch.zeros(512, 512, dtype=out_dtype or (torch.bfloat16 if dtype == FP8 else dtype))
-    options = dict(fast_accum=fast_accum, stream_k=stream_k)
+    options = dict(fast_accum=fast_accum)
     if dtype == FP8:
         options.update(scale_a=torch.ones(512), scale_b=torch.ones(512))
     if epilogue:
         options.update(bias=torch.zeros(512, dtype=out.dtype), residual=torch.zeros_like(out),
                        preact=torch.zeros_like(out), activation="gelu_tanh")
-    values, constexprs, _ = arguments(a.t() if a_m_major else a, b.t() if b_k_major else b, out, 3, **options)
-    assert constexprs["STREAM_K"] == stream_k
-    return sm90_usage(gemm_ws_kernel, values, constexprs)
+    return sm90_usage(gemm_ws_kernel, *arguments(a.t() if a_m_major else a, b.t() if b_k_major else b, out,
+                                                 **options))

@@ -2,10 +2,10 @@
 kf.gemm against the float64 oracle (outputs and gradients: the backward's plain GEMMs take it
 too) at tile-edge and odd TMA-readable sizes, both layouts of b, every epilogue (bias, each
 activation, residual, the saved pre-activation), e4m3 operands with both scalings and both
-accumulation modes, with a check that it really ran; stream-K on stand-in SM counts that
-split tiles every way; which calls its rule sends to it; everywhere: stream-K's plan, and the
-kernel builds for sm_90a without spills, in the shared memory of one SM."""
+accumulation modes, with a check that it really ran; which calls its rule sends to it;
+everywhere: it builds for sm_90a without spills, in the shared memory of one SM."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -90,122 +90,22 @@ def test_epilogues_match_oracle(dtype, activation, gluon_calls, monkeypatch):
             assert len(gluon_calls) == 3, gluon_calls
 
 
-@pytest.fixture
-def stream_k_launches(monkeypatch):
-    """(programs, STREAM_K) of every gemm_ws_kernel launch."""
-    launches = []
-    run = gemm_gluon.launch
-
-    def recorded(kernel, grid, *values, **constexprs):
-        launches.append((grid[0], constexprs["STREAM_K"]))
-        return run(kernel, grid, *values, **constexprs)
-
-    monkeypatch.setattr(gemm_gluon, "launch", recorded)
-    return launches
-
-
-def force_stream_k(monkeypatch, programs: int) -> None:
-    """kf.gemm through the Gluon kernel with stream-K wherever tiles do not divide evenly among
-    `programs` (standing in for the SM count: any count up to the GPU's, where all programs
-    are resident, as the kernel's waits need), so that small products split their tiles
-    every way a large one can on 132 SMs, and further."""
-    from kernelforge.triton import gemm as triton_gemm
-
-    monkeypatch.setattr(triton_gemm, "USE_GLUON", True)
-    monkeypatch.setattr(triton_gemm, "sm_count", lambda device: programs)
-    monkeypatch.setattr(gemm_gluon, "STREAM_K", True)
-
-
-def assert_flags_cleared(device: torch.device) -> None:
-    """Stream-K's ready flags are back at zero after the kernel (the next launch counts on it)."""
-    from kernelforge.triton._launch import arrival_counts
-
-    assert arrival_counts(device, 1).count_nonzero().item() == 0
-
-
-# programs for a 640 x 768 product of 15 tiles (128 x 256) of 16 K steps: 2 -> 14 whole, the
-# last one in 2 pieces; 4 -> 12 whole, 3 tiles over 4 ranges of 12 steps; 7 -> a tail of one
-# takes a whole wave with it (8 tiles in ranges of 18-19 steps); 16 -> no whole tiles, 2
-# pieces a tile; 40 -> 3 pieces; 100 -> up to 7, each under 3 steps. The backward's products
-# (20 tiles of 12 steps, 24 of 10) split their own ways.
-STREAM_K_PROGRAMS = [2, 4, 7, 16, 40, 100]
-
-
-@needs_hopper
-@pytest.mark.gpu
-@pytest.mark.parametrize("programs", STREAM_K_PROGRAMS)
-@pytest.mark.parametrize("epilogue", [False, True], ids=["plain", "bias-gelu_tanh-residual"])
-def test_stream_k_matches_oracle(programs, epilogue, stream_k_launches, monkeypatch):
-    import kernelforge as kf
-
-    force_stream_k(monkeypatch, programs)
-    M, K, N = 640, 1000, 768
-    dtype = torch.bfloat16
-    a = torch.randn(M, K, device="cuda", dtype=dtype)
-    weight = torch.randn(N, K, device="cuda", dtype=dtype) / K ** 0.5
-    bias = torch.randn(N, device="cuda", dtype=dtype) if epilogue else None
-    residual = torch.randn(M, N, device="cuda", dtype=dtype) if epilogue else None
-    activation = "gelu_tanh" if epilogue else None
-    check("triton", "cuda", dtype, a, weight.t(), bias, activation, residual, what=f"stream-K on {programs}")
-    assert stream_k_launches[0] == (programs, True), stream_k_launches  # the forward split its tiles
-    assert_flags_cleared(a.device)
-    # the partials are added in program order, whichever program finishes first: same bits
-    first = kf.gemm(a, weight.t(), bias=bias, activation=activation, residual=residual)
-    assert torch.equal(first, kf.gemm(a, weight.t(), bias=bias, activation=activation, residual=residual))
-
-
-def test_stream_k_plan():
-    plan = gemm_gluon.stream_k_plan
-    # 4096^3: 512 tiles of 128 x 256 on 132 SMs: 3 whole waves, the last 116 tiles shared out
-    assert plan(512, 64, 132) == (132, 396, 116 * 64)
-    assert plan(2048, 128, 132) == (132, 1980, 68 * 128)  # 8192^3
-    assert plan(112, 32, 132) == (132, 0, 112 * 32)  # e4m3 128 x 14336 x 4096: 112 tiles of 128 x 128
-    assert plan(140, 64, 132) == (132, 0, 140 * 64)  # a tail of 8 takes the whole wave with it
-    assert plan(528, 64, 132) == (132, 528, 0)  # whole waves
-    assert plan(128, 32, 132) == (128, 128, 0)  # 2048^3: 4 idle SMs gain less than the partials cost
-    assert plan(56, 64, 132) == (56, 56, 0)  # under half a wave: the Triton kernels' split-K
-    assert plan(56, 64, 132, True) == (132, 0, 56 * 64)
-    assert plan(512, 64, 132, False) == (132, 512, 0)
-    assert plan(3, 10, 132, True) == (3, 3, 0)  # fewer K steps than programs: whole tiles
-    for tiles in range(1, 700, 3):
-        for k_tiles in (1, 2, 5, 64):
-            for sms in (2, 7, 132):
-                for mode in (None, True):
-                    programs, dp_tiles, sk_iters = plan(tiles, k_tiles, sms, mode)
-                    label = (tiles, k_tiles, sms, mode)
-                    if not sk_iters:
-                        assert (programs, dp_tiles) == (min(sms, tiles), tiles), label
-                        continue
-                    # whole waves, then every program's range holds an iteration
-                    assert programs == sms and dp_tiles % programs == 0 and 0 <= dp_tiles < tiles, label
-                    assert sk_iters == (tiles - dp_tiles) * k_tiles and sk_iters >= programs, label
-                    starts = [q * sk_iters // programs for q in range(programs + 1)]
-                    pieces = [sum(starts[q] < (t + 1) * k_tiles and starts[q + 1] > t * k_tiles
-                                  for q in range(programs)) for t in range(tiles - dp_tiles)]
-                    assert mode is True or max(pieces) <= 3, (label, max(pieces))
-
-
 @needs_hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("scaling", ["row", "tensor"])
 @pytest.mark.parametrize("fast_accum", [False, True], ids=["promoted", "fast-accum"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16-out", "fp32-out"])
-@pytest.mark.parametrize("programs", [None, 7, 20], ids=["sms", "stream-k-7", "stream-k-20"])
-def test_fp8_matches_oracle(scaling, fast_accum, out_dtype, programs, gluon_calls, stream_k_launches,
-                            monkeypatch):
+def test_fp8_matches_oracle(scaling, fast_accum, out_dtype, gluon_calls, monkeypatch):
     # e4m3 operands given with their scales, a Linear weight read K-major; K = 1040 crosses
     # many K tiles, an odd count of them for the promoted loop's pairs (1040 / 128 -> 9), and
     # 656 an even count (6): both tails of its partials (K a multiple of 16: TMA-readable
     # rows). Against the float64 product of the e4m3 values: exact to the fp8 tensor cores'
     # in-tile error when promoted, and to their reduced precision over all of K with fast
-    # accumulation (the Triton kernel's bounds, tests/ops/test_gemm_fp8.py). With `programs`:
-    # stream-K on that many, pieces of odd and even step counts.
+    # accumulation (the Triton kernel's bounds, tests/ops/test_gemm_fp8.py).
     import kernelforge as kf
     from kernelforge.triton import gemm as triton_gemm
 
     monkeypatch.setattr(triton_gemm, "USE_GLUON", True)
-    if programs is not None:
-        force_stream_k(monkeypatch, programs)
     for M, K, N in ((200, 1040, 264), (4097, 656, 136)):
         a = torch.randn(M, K, device="cuda") * 3
         weight = torch.randn(N, K, device="cuda") / K ** 0.5
@@ -218,12 +118,9 @@ def test_fp8_matches_oracle(scaling, fast_accum, out_dtype, programs, gluon_call
         top = product.abs().max().item()
         for epilogue in ((None, None, None), (bias, "gelu_tanh", residual)):
             gluon_calls.clear()
-            stream_k_launches.clear()
             ours = kf.gemm(qa, qw.t(), bias=epilogue[0], activation=epilogue[1], residual=epilogue[2],
                            scale_a=sa, scale_b=sb, out_dtype=out_dtype, fp8_fast_accum=fast_accum)
             assert len(gluon_calls) == 1, gluon_calls
-            assert programs is None or stream_k_launches[0] == (programs, True), stream_k_launches
-            assert_flags_cleared(qa.device)
             oracle = epilogue64(product, *epilogue)
             label = f"{M}x{K}x{N} {scaling} fast={fast_accum} {out_dtype} act={epilogue[1]}"
             if epilogue[1] is None:
@@ -257,14 +154,17 @@ def test_rule_takes_large_products_only(gluon_calls):
     kf.gemm(a, w.t(), precision="fp8")  # e4m3: 16 x 32 tiles of 128 x 128
     kf.gemm(a, w.t()[:, :96], precision="fp8")  # 16 x 1
     assert len(gluon_calls) == 4, gluon_calls
-    # about 0.6 of the SMs' worth of tiles (80 on 132 SMs) goes, through stream-K
+    # e4m3 goes from 3/4 of the SMs' worth of 128 x 128 tiles of 128 rows: 113 on 132 SMs
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    kf.gemm(a[:128 * round(0.6 * sms / 16)], w.t())
+    wide = torch.randn(128 * math.ceil(0.85 * sms), 512, device="cuda", dtype=torch.bfloat16)
+    kf.gemm(a[:128], wide.t(), precision="fp8")
+    assert len(gluon_calls) == 5, gluon_calls
+    kf.gemm(a[:16], wide.t(), precision="fp8")  # 16 rows: the Triton kernel's 64-row tiles
+    kf.gemm(a[:128], wide[:128 * (sms // 2)].t(), precision="fp8")  # half the SMs' worth
     assert len(gluon_calls) == 5, gluon_calls
 
 
-BUILDS = {  # compile_for_sm90's arguments: a M-major, b K-major, operand dtype, out dtype, epilogue, fast accum,
-    # stream-K (default: without)
+BUILDS = {  # compile_for_sm90's arguments: a M-major, b K-major, operand dtype, out dtype, epilogue, fast accum
     "bf16-a-rows-b-k-major": (False, True, "bfloat16", None, False, False),
     "bf16-a-rows-b-rows-epilogue": (False, False, "bfloat16", None, True, False),
     "fp16-a-m-major-b-k-major-epilogue": (True, True, "float16", None, True, False),
@@ -272,10 +172,6 @@ BUILDS = {  # compile_for_sm90's arguments: a M-major, b K-major, operand dtype,
     "fp8-promoted-fp32-out": (False, True, "float8_e4m3fn", "float32", False, False),
     "fp8-fast-accum": (False, True, "float8_e4m3fn", "bfloat16", False, True),
     "fp8-fast-accum-fp32-out-epilogue": (False, True, "float8_e4m3fn", "float32", True, True),
-    "bf16-a-rows-b-k-major-stream-k": (False, True, "bfloat16", None, False, False, True),
-    "bf16-a-rows-b-rows-epilogue-stream-k": (False, False, "bfloat16", None, True, False, True),
-    "fp8-promoted-epilogue-stream-k": (False, True, "float8_e4m3fn", "bfloat16", True, False, True),
-    "fp8-fast-accum-stream-k": (False, True, "float8_e4m3fn", "bfloat16", False, True, True),
 }
 # Run by a fresh Python without TRITON_INTERPRET (and without tests.conftest, which sets it):
 # under the interpreter the activations' @triton.jit functions, which the epilogue calls, are
@@ -285,8 +181,8 @@ import json, sys, torch
 from kernelforge.triton import gemm_gluon
 builds = json.loads(sys.argv[1])
 dtype = lambda name: None if name is None else getattr(torch, name)
-print(json.dumps({name: gemm_gluon.compile_for_sm90(a_m, b_k, dtype(d), dtype(o), *rest)
-                  for name, (a_m, b_k, d, o, *rest) in builds.items()}))
+print(json.dumps({name: gemm_gluon.compile_for_sm90(a_m, b_k, dtype(d), dtype(o), epilogue, fast)
+                  for name, (a_m, b_k, d, o, epilogue, fast) in builds.items()}))
 """
 
 
