@@ -204,37 +204,6 @@ def _epilogue(acc, off_m, off_n, c_desc, c_smem, res_desc, pre_desc, res_ready, 
 
 
 @gluon.jit
-def _tile_epilogue(acc, off_m, off_n, c_desc, c_smem, res_desc, pre_desc, res_ready, done, BIAS, SA, SB, M, N, ssam,
-                   ssbn, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
-                   SAVE_PREACT: gl.constexpr, SCALED: gl.constexpr, PRECISE: gl.constexpr, BF16_OUT: gl.constexpr):
-    """_epilogue of the `done`-th tile: whole, or where c_smem holds half its columns, each half
-    in turn (the second waits for the first's TMA store to leave c_smem). A half-size output
-    buffer leaves a 128 x 256 x 64 bf16 ring room for a fourth stage. The halves are the
-    accumulator's own registers: in wgmma's layout a thread's columns of each 128-column half
-    are where an N = 128 accumulator keeps them (checked at compile time: assert_trivial)."""
-    BLOCK_M: gl.constexpr = acc.type.shape[0]
-    BLOCK_N: gl.constexpr = acc.type.shape[1]
-    EPI_N: gl.constexpr = c_smem.type.shape[1]
-    if EPI_N == BLOCK_N:
-        _epilogue(acc, off_m, off_n, c_desc, c_smem, res_desc, pre_desc, res_ready, done & 1, BIAS, SA, SB, M, N,
-                  ssam, ssbn, ACTIVATION, HAS_BIAS, HAS_RESIDUAL, SAVE_PREACT, SCALED, PRECISE, BF16_OUT)
-    else:
-        gl.static_assert(2 * EPI_N == BLOCK_N, "the output buffer holds a tile or half of one")
-        acc_layout: gl.constexpr = acc.type.layout
-        half_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=acc_layout.warps_per_cta,
-            instr_shape=[acc_layout.instr_shape[0], EPI_N, acc_layout.instr_shape[2]])
-        left, right = gl.split(acc.reshape([BLOCK_M, 2, EPI_N]).permute([0, 2, 1]))
-        # two residual reads a tile: phases 0 then 1 on res_ready
-        _epilogue(gl.convert_layout(left, half_layout, assert_trivial=True), off_m, off_n, c_desc, c_smem, res_desc,
-                  pre_desc, res_ready, 0, BIAS, SA, SB, M, N, ssam, ssbn, ACTIVATION, HAS_BIAS, HAS_RESIDUAL,
-                  SAVE_PREACT, SCALED, PRECISE, BF16_OUT)
-        _epilogue(gl.convert_layout(right, half_layout, assert_trivial=True), off_m, off_n + EPI_N, c_desc, c_smem,
-                  res_desc, pre_desc, res_ready, 1, BIAS, SA, SB, M, N, ssam, ssbn, ACTIVATION, HAS_BIAS,
-                  HAS_RESIDUAL, SAVE_PREACT, SCALED, PRECISE, BF16_OUT)
-
-
-@gluon.jit
 def _consumer(c_desc, res_desc, pre_desc, a_ring, b_ring, ready, empty, res_ready, c_smem, BIAS, SA, SB, M, N,
               ssam, ssbn, tiles_m, tiles_n, k_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               GROUP_M: gl.constexpr, STAGES: gl.constexpr, A_M_MAJOR: gl.constexpr, B_K_MAJOR: gl.constexpr,
@@ -256,9 +225,9 @@ def _consumer(c_desc, res_desc, pre_desc, a_ring, b_ring, ready, empty, res_read
         else:
             acc, step = _accumulate(a_ring, b_ring, ready, empty, step, k_tiles, acc_layout, BLOCK_M, BLOCK_N,
                                     STAGES, A_M_MAJOR, B_K_MAJOR)
-        _tile_epilogue(acc, pid_m * BLOCK_M, pid_n * BLOCK_N, c_desc, c_smem, res_desc, pre_desc, res_ready, done,
-                       BIAS, SA, SB, M, N, ssam, ssbn, ACTIVATION, HAS_BIAS, HAS_RESIDUAL, SAVE_PREACT, SCALED,
-                       PRECISE, BF16_OUT)
+        _epilogue(acc, pid_m * BLOCK_M, pid_n * BLOCK_N, c_desc, c_smem, res_desc, pre_desc, res_ready, done & 1,
+                  BIAS, SA, SB, M, N, ssam, ssbn, ACTIVATION, HAS_BIAS, HAS_RESIDUAL, SAVE_PREACT, SCALED, PRECISE,
+                  BF16_OUT)
         done += 1
     tma.store_wait(0)
 
@@ -273,7 +242,7 @@ def gemm_ws_kernel(a_desc, b_desc, c_desc, res_desc, pre_desc, BIAS, SA, SB, M, 
     pre_desc (the residual read, the pre-activation written) and the BIAS / SA / SB pointers
     are only touched under their flags (the caller passes c's where they are not given)."""
     BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0] if B_K_MAJOR else b_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = b_desc.block_type.shape[1] if B_K_MAJOR else b_desc.block_type.shape[0]
     a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -324,24 +293,23 @@ def tile(a_dtype: torch.dtype, out_dtype: torch.dtype, promote: bool, epilogue_r
     return dict(block_m=128, block_n=128 if narrow else 256, block_k=128 // a_dtype.itemsize)
 
 
-def _stages(block_m, block_n, block_k, a_dtype, out_dtype, most: int = 6, epilogue_n: int = None) -> int:
+def _stages(block_m, block_n, block_k, a_dtype, out_dtype, most: int = 6) -> int:
     """As many ring stages as the shared memory holds next to the output tile, at most `most`
     (the H200 experiment, benchmarks/gluon_gemm_experiment.py: 3 at 128 x 256, all there is
     room for; fp8 promoted at 128 x 128 x 128 0.97-1.02x torch._scaled_mm with 4, 1.01-1.02x
     with 6)."""
     stage = (block_m + block_n) * block_k * a_dtype.itemsize
-    return min(most, (SHARED_BYTES - block_m * (epilogue_n or block_n) * out_dtype.itemsize) // stage)
+    return min(most, (SHARED_BYTES - block_m * block_n * out_dtype.itemsize) // stage)
 
 
 def arguments(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias=None, residual=None, preact=None,
               scale_a=None, scale_b=None, activation=None, fast_accum: bool = False, block_m: int = 128,
-              block_n: int = None, block_k: int = None, group_m: int = 8, stages: int = None, epilogue_n: int = None):
+              block_n: int = None, block_k: int = None, group_m: int = 8, stages: int = None):
     """(positional arguments, constexprs) of gemm_ws_kernel for out = act(a @ b * scales + bias)
     + residual, preact = a @ b * scales: a (M, K) and b (K, N) either way round (rows where
     TMA can read them so, else their transposes' rows: a Linear weight's transpose reads
     K-major; e4m3 both K-major only), out, residual and preact (M, N) row-major, bias (N,),
-    scale_a (M,) and scale_b (N,) float32 (stride 0: one scale). epilogue_n: the output's TMA
-    block width, block_n or half of it (_tile_epilogue)."""
+    scale_a (M,) and scale_b (N,) float32 (stride 0: one scale)."""
     M, K = a.shape
     N = b.shape[1]
     scaled = a.dtype == FP8
@@ -349,15 +317,14 @@ def arguments(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias=None, re
     default = tile(a.dtype, out.dtype, promote, bias is not None or residual is not None)
     block_n = block_n or default["block_n"]
     block_k = block_k or default["block_k"]
-    epilogue_n = epilogue_n or block_n
-    stages = stages or _stages(block_m, block_n, block_k, a.dtype, out.dtype, epilogue_n=epilogue_n)
+    stages = stages or _stages(block_m, block_n, block_k, a.dtype, out.dtype)
     a_m_major = not _tma_readable(a, 1)
     b_k_major = not _tma_readable(b, 1)
     a_desc = _descriptor(a.t(), [block_k, block_m]) if a_m_major else _descriptor(a, [block_m, block_k])
     b_desc = _descriptor(b.t(), [block_n, block_k]) if b_k_major else _descriptor(b, [block_k, block_n])
-    c_desc = _descriptor(out, [block_m, epilogue_n])
-    res_desc = c_desc if residual is None else _descriptor(residual, [block_m, epilogue_n])
-    pre_desc = c_desc if preact is None else _descriptor(preact, [block_m, epilogue_n])
+    c_desc = _descriptor(out, [block_m, block_n])
+    res_desc = c_desc if residual is None else _descriptor(residual, [block_m, block_n])
+    pre_desc = c_desc if preact is None else _descriptor(preact, [block_m, block_n])
     pointers = [t if t is not None else out for t in (bias, scale_a, scale_b)]
     values = (a_desc, b_desc, c_desc, res_desc, pre_desc, *pointers, M, N, K,
               scale_a.stride(0) if scaled else 0, scale_b.stride(0) if scaled else 0)
@@ -412,8 +379,7 @@ def gemm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sms: int, **o
     """out = act(a @ b * scales + bias) + residual by gemm_ws_kernel (what `takes` accepts),
     `sms` persistent programs at most; options: arguments()'s keywords."""
     values, constexprs = arguments(a, b, out, **options)
-    block_m = values[2].block_shape[0]
-    block_n = values[1].block_shape[0 if constexprs["B_K_MAJOR"] else 1]
+    block_m, block_n = values[2].block_shape
     tiles = cdiv(a.shape[0], block_m) * cdiv(b.shape[1], block_n)
     launch(gemm_ws_kernel, (max(1, min(sms, tiles)),), *values, **constexprs)
     return out
@@ -427,8 +393,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, sms: int, out_dtype=None, **options) 
 
 
 def compile_for_sm90(a_m_major: bool = False, b_k_major: bool = True, dtype: torch.dtype = torch.bfloat16,
-                     out_dtype: torch.dtype = None, epilogue: bool = False, fast_accum: bool = False,
-                     half_epilogue: bool = False) -> dict:
+                     out_dtype: torch.dtype = None, epilogue: bool = False, fast_accum: bool = False) -> dict:
     """Registers, spills and shared memory of gemm_ws_kernel built for sm_90a (no GPU needed);
     epilogue: with bias, gelu_tanh, residual and the pre-activation."""
     from kernelforge.triton.attention_gluon import sm90_usage
@@ -436,8 +401,6 @@ def compile_for_sm90(a_m_major: bool = False, b_k_major: bool = True, dtype: tor
     b = torch.zeros(512, 512, dtype=dtype)
     out = torch.zeros(512, 512, dtype=out_dtype or (torch.bfloat16 if dtype == FP8 else dtype))
     options = dict(fast_accum=fast_accum)
-    if half_epilogue:  # the output in two halves through a half-size buffer
-        options.update(epilogue_n=tile(dtype, out.dtype, dtype == FP8 and not fast_accum, epilogue)["block_n"] // 2)
     if dtype == FP8:
         options.update(scale_a=torch.ones(512), scale_b=torch.ones(512))
     if epilogue:
