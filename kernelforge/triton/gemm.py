@@ -34,7 +34,7 @@ from kernelforge.triton._launch import (cdiv, device_capability, gluon_module, l
 from kernelforge.triton.gemm_kernels import gemm_kernel, gemm_tma_kernel, round_tf32_kernel
 
 USE_TMA: Optional[bool] = None
-USE_GLUON: Optional[bool] = None  # the Gluon kernel for plain products: None its rule, False never, True any size
+USE_GLUON: Optional[bool] = None  # the Gluon kernel for one matrix: None its rule, False never, True any size
 SPLIT_K: Optional[int] = None  # slices of K a TMA-kernel tile is split into: None the autotuner's pick
 _TMA_MIN_ROWS = 65  # at 16 rows the pointer kernel's 16-row tiles win (benchmarks/gemm_sweep.py)
 _PRECISION = {"fp32": "ieee", "tf32": "tf32", "fp16": "tf32", "bf16": "tf32", "fp8": "tf32"}  # not fp32: ignored
