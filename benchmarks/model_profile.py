@@ -17,10 +17,10 @@ from torch.profiler import ProfilerActivity, profile
 from kernelforge.demo import _runner, workloads
 
 FAMILIES = [  # first match wins; names of cuBLAS, cuDNN, FlashAttention, Triton and our CUDA kernels
-    ("attention", re.compile(r"flash|fmha|attn|attention|decode", re.I)),
+    ("attention", re.compile(r"flash|fmha|attn|attention|decode|dkdv|dq_kernel|backward_delta", re.I)),
     ("gemm", re.compile(r"gemm|matmul|nvjet|xmma|cutlass|sm90_|_mm_|wgmma", re.I)),
     ("norm", re.compile(r"norm", re.I)),
-    ("softmax / loss", re.compile(r"softmax|nll|cross_entropy|log_softmax", re.I)),
+    ("softmax / loss", re.compile(r"softmax|nll|cross_entropy|log_softmax|loss", re.I)),
     ("optimizer", re.compile(r"adam|foreach|multi_tensor", re.I)),
     ("gather / scatter", re.compile(r"index|scatter|gather", re.I)),
 ]
@@ -30,7 +30,7 @@ def family(name: str) -> str:
     return next((fam for fam, pattern in FAMILIES if pattern.search(name)), "other elementwise / copies")
 
 
-def profile_level(work, level: str, steps: int) -> tuple[dict, list]:
+def profile_level(work, level: str, steps: int, top: int) -> tuple[dict, list]:
     model = copy.deepcopy(work.model).set_level(level)
     call = _runner(work, model)
     for _ in range(3):  # warm-up: compiles, traces, autotunes
@@ -47,7 +47,7 @@ def profile_level(work, level: str, steps: int) -> tuple[dict, list]:
     per_family = defaultdict(float)
     for name, ms in per_kernel.items():
         per_family[family(name)] += ms
-    return per_family, sorted(per_kernel.items(), key=lambda kv: -kv[1])[:8]
+    return per_family, sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]
 
 
 def main() -> None:
@@ -55,6 +55,7 @@ def main() -> None:
     parser.add_argument("--workloads", default="LM train step,ViT forward,GNN forward")
     parser.add_argument("--levels", default="native,compile,triton,cuda")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--top", type=int, default=8, help="kernels listed per level")
     args = parser.parse_args()
     torch.manual_seed(0)
     wanted = args.workloads.split(",")
@@ -62,7 +63,7 @@ def main() -> None:
         if work.name not in wanted:
             continue
         print(f"\n## {work.name}: GPU ms per call by kernel family")
-        results = {level: profile_level(work, level, args.steps) for level in args.levels.split(",")}
+        results = {level: profile_level(work, level, args.steps, args.top) for level in args.levels.split(",")}
         families = sorted({f for fams, _ in results.values() for f in fams})
         print("| family | " + " | ".join(results) + " |\n|---|" + "---|" * len(results))
         for fam in families + ["total"]:
