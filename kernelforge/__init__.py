@@ -2,6 +2,7 @@
 
     import kernelforge as kf
     y = kf.softmax(x, dim=-1)
+    loss = kf.cross_entropy(logits, target)
     h = kf.rms_norm(x, weight, eps=1e-6)
     with kf.use_backend("triton"):
         y = kf.log_softmax(x)
@@ -13,6 +14,7 @@ from kernelforge.block_mask import BlockMask, dilated_block_mask, local_global_b
 from kernelforge.ops.activations import bias_gelu, bias_silu, gelu, relu, silu
 from kernelforge.ops.attention import flash_attention
 from kernelforge.ops.convrnn import convrnn, convrnn_forward
+from kernelforge.ops.cross_entropy import cross_entropy
 from kernelforge.ops.gated_activations import geglu, swiglu
 from kernelforge.ops.gemm import gemm, precision
 from kernelforge.ops.norms import add_layer_norm, add_rms_norm, layer_norm, rms_norm
@@ -24,7 +26,7 @@ from kernelforge.reference.attention import cpu_fused_attention, optimized_cpu_a
 __version__ = "0.1.0"
 
 __all__ = ["BackendUnsupportedError", "BlockMask", "add_layer_norm", "add_rms_norm", "bias_gelu", "bias_silu",
-           "convrnn", "convrnn_forward", "cpu_fused_attention", "dilated_block_mask", "explain", "flash_attention",
-           "geglu", "gelu", "gemm", "gpu_kernel", "layer_norm", "local_global_block_mask", "log_softmax", "nn",
+           "convrnn", "convrnn_forward", "cpu_fused_attention", "cross_entropy", "dilated_block_mask", "explain",
+           "flash_attention", "geglu", "gelu", "gemm", "gpu_kernel", "layer_norm", "local_global_block_mask", "log_softmax", "nn",
            "optimized_cpu_attention", "patch", "precision", "prefer_backend", "relu", "rms_norm", "silu",
            "sliding_window_block_mask", "softmax", "swiglu", "use_backend"]

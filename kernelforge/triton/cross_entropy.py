@@ -1,0 +1,128 @@
+"""Triton cross-entropy kernels and their launchers, over (rows, classes) logits.
+
+Forward, one program a row: one walk over the row's logits keeps a running max and a rescaled
+running sum of exponentials (and the row's sum for label smoothing), then reads the target's
+logit. Bytes: the logits once (rows * C * elt), 12 bytes a row (target, loss, lse). FLOPs: an
+exp2 and ~4 others an element. The logits stay in their dtype: no float32 copy of them is made
+(the usual `F.cross_entropy(logits.float(), t)` writes and re-reads one of twice their size, and
+keeps log-softmax's float32 output for the backward).
+
+Backward, one program a row: gradient = g * (exp(x - lse) - (1 - eps) [c == t] - eps / C) from the
+saved lse, so the row is read once and the gradient written once: rows * C * elt each way. An
+ignored row reads nothing and writes zeros.
+
+So forward + backward move 3 * rows * C * elt bytes, the minimum for a gradient that is a new
+tensor. Accumulation is in float32 whatever the logits' dtype; the gradient is rounded once.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernelforge.triton import interpreter_enabled
+from kernelforge.triton._launch import launch, next_power_of_2, on_device, warps_for
+from kernelforge.triton.softmax import LOG2E, _log
+
+# Elements of a row one step of the walk holds. 4096 (16 KB of bf16) with 8 warps is 16 values a
+# thread: enough loads in flight to stream the row, few registers.
+BLOCK_CLASSES = 4096
+
+
+@triton.jit
+def cross_entropy_forward_kernel(
+    LOGITS, TARGET, LOSS, LSE, n_classes, row_stride, ignore_index, label_smoothing,
+    BLOCK: tl.constexpr, SMOOTHING: tl.constexpr, PRECISE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = LOGITS + row * row_stride
+    cols = tl.arange(0, BLOCK)
+    target = tl.load(TARGET + row).to(tl.int64)
+    ignored = target == ignore_index
+    # A row's running max and sum: one exp2 an element (the max moves by whole blocks).
+    running_max = tl.full((), float("-inf"), tl.float32)
+    running_sum = tl.zeros((), tl.float32)
+    row_total = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, n_classes, BLOCK):
+        mask = start + cols < n_classes
+        x = tl.load(base + start + cols, mask=mask, other=float("-inf"), eviction_policy="evict_first")
+        x = x.to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(x, axis=0))
+        # a row of -inf so far keeps new_max -inf: shift by 0 then, not by -inf (NaN)
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        running_sum = running_sum * tl.exp2((running_max - shift) * LOG2E) + tl.sum(tl.exp2((x - shift) * LOG2E), 0)
+        running_max = new_max
+        if SMOOTHING:
+            row_total += tl.where(mask, x, 0.0)
+    lse = running_max + _log(running_sum, PRECISE)
+    in_range = (target >= 0) & (target < n_classes)
+    target_logit = tl.load(base + target, mask=in_range & ~ignored, other=0.0).to(tl.float32)
+    loss = lse - target_logit
+    if SMOOTHING:
+        loss = (1 - label_smoothing) * loss + label_smoothing * (lse - tl.sum(row_total, 0) / n_classes)
+    loss = tl.where(ignored, 0.0, tl.where(in_range, loss, float("nan")))
+    tl.store(LOSS + row, loss)
+    tl.store(LSE + row, lse)
+
+
+@triton.jit
+def cross_entropy_backward_kernel(
+    GRAD_LOSS, grad_loss_stride, LOGITS, TARGET, LSE, GRAD, n_classes, row_stride, grad_row_stride,
+    ignore_index, label_smoothing,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = LOGITS + row * row_stride
+    out = GRAD + row * grad_row_stride
+    cols = tl.arange(0, BLOCK)
+    target = tl.load(TARGET + row).to(tl.int64)
+    ignored = target == ignore_index
+    in_range = (target >= 0) & (target < n_classes)
+    scale = tl.load(GRAD_LOSS + row * grad_loss_stride).to(tl.float32)
+    scale = tl.where(ignored, 0.0, tl.where(in_range, scale, float("nan")))
+    lse = tl.load(LSE + row)
+    for start in range(0, n_classes, BLOCK):
+        idx = start + cols
+        mask = idx < n_classes
+        # an ignored row reads nothing: exp2(-inf) = 0 and its scale is 0
+        x = tl.load(base + idx, mask=mask & ~ignored, other=float("-inf"), eviction_policy="evict_first")
+        p = tl.exp2((x.to(tl.float32) - lse) * LOG2E)
+        grad = p - tl.where(idx == target, 1.0 - label_smoothing, 0.0) - label_smoothing / n_classes
+        tl.store(out + idx, (grad * scale).to(GRAD.dtype.element_ty), mask=mask, cache_modifier=".cs")
+
+
+def _block(n_classes: int) -> tuple[int, int]:
+    block = min(BLOCK_CLASSES, max(16, next_power_of_2(n_classes)))
+    return block, warps_for(block * 8)  # ~4 values a thread for short rows, 16 for a full block
+
+
+def cross_entropy_forward_rows(logits2d: torch.Tensor, target: torch.Tensor, ignore_index: int,
+                               label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-row loss, per-row lse), (rows,) float32 each, of logits2d (unit column stride)."""
+    rows, n_classes = logits2d.shape
+    loss = torch.empty(rows, dtype=torch.float32, device=logits2d.device)
+    lse = torch.empty(rows, dtype=torch.float32, device=logits2d.device)
+    if rows == 0:
+        return loss, lse
+    block, warps = _block(n_classes)
+    with on_device(logits2d):
+        launch(cross_entropy_forward_kernel, (rows,), logits2d, target, loss, lse, n_classes, logits2d.stride(0),
+               ignore_index, float(label_smoothing), BLOCK=block, SMOOTHING=label_smoothing != 0,
+               PRECISE=not interpreter_enabled(), num_warps=warps)
+    return loss, lse
+
+
+def cross_entropy_backward_rows(grad_loss: torch.Tensor, logits2d: torch.Tensor, target: torch.Tensor,
+                                lse: torch.Tensor, ignore_index: int, label_smoothing: float) -> torch.Tensor:
+    """The logits' gradient, (rows, classes) dense in their dtype; grad_loss (rows,) may have stride
+    0 (the mean's scalar gradient, expanded)."""
+    rows, n_classes = logits2d.shape
+    grad = torch.empty((rows, n_classes), dtype=logits2d.dtype, device=logits2d.device)
+    if grad.numel() == 0:
+        return grad
+    block, warps = _block(n_classes)
+    with on_device(logits2d):
+        launch(cross_entropy_backward_kernel, (rows,), grad_loss, grad_loss.stride(0), logits2d, target, lse, grad,
+               n_classes, logits2d.stride(0), grad.stride(0), ignore_index, float(label_smoothing),
+               BLOCK=block, num_warps=warps)
+    return grad

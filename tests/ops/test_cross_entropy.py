@@ -1,0 +1,255 @@
+"""cross_entropy: every backend against the float64 oracle (losses and gradients, ignore_index,
+label smoothing, reductions), torch's layouts, out-of-range targets, the registered ops (opcheck,
+double backward), torch.compile, peak memory on the GPU, and bad input."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernelforge as kf
+from tests.conftest import HAS_CUDA, backend_cases, device_cases
+from tests.numerics import assert_matches_oracle
+
+GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+BACKENDS = ("reference", "triton")
+
+
+def dtypes_for(backend, device):
+    if device == "cpu" and backend == "triton":
+        return [torch.float32, torch.float16]  # the interpreter's bf16 stores truncate (see test_softmax.py)
+    return GPU_DTYPES + ([torch.float64] if backend == "reference" else [])
+
+
+def random_case(rows, classes, dtype, device, ignored_every=5):
+    """Logits of a realistic spread (a trained LM's are a few units wide), targets with some rows ignored."""
+    logits = (torch.randn(rows, classes, device=device) * 4).to(dtype)
+    target = torch.randint(0, classes, (rows,), device=device)
+    target[::ignored_every] = -100
+    return logits, target
+
+
+def torch_losses(logits, target, smoothing):
+    """(float32 recipe's per-row loss and logits' gradient for grad_out g, float64 oracle's) with
+    torch: F.cross_entropy on logits.float() is the accuracy yardstick for every dtype."""
+    out = {}
+    for key, dtype in (("same", torch.float32 if logits.dtype != torch.float64 else torch.float64),
+                       ("oracle", torch.float64)):
+        x = logits.detach().clone().requires_grad_()
+        out[key] = (F.cross_entropy(x.to(dtype), target, reduction="none", label_smoothing=smoothing), x)
+    return out
+
+
+SHAPES = [(1, 1), (4, 7), (199, 1000), (3, 4097), (2, 32000)]
+
+
+@pytest.mark.parametrize("backend,device", backend_cases(BACKENDS))
+@pytest.mark.parametrize("rows,classes", SHAPES, ids=[f"{r}x{c}" for r, c in SHAPES])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_losses_and_gradients_match_oracle(backend, device, rows, classes, smoothing):
+    for dtype in dtypes_for(backend, device):
+        logits, target = random_case(rows, classes, dtype, device)
+        g = torch.randn(rows, device=device, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        ours_x = logits.clone().requires_grad_()
+        with kf.use_backend(backend):
+            loss = kf.cross_entropy(ours_x, target, reduction="none", label_smoothing=smoothing)
+            loss.backward(g)
+        ref = torch_losses(logits, target, smoothing)
+        for key in ref:
+            ref[key][0].backward(g.to(ref[key][0].dtype))
+        what = f"{rows}x{classes} {dtype} {backend} smoothing={smoothing}"
+        assert loss.dtype == ref["same"][0].dtype and loss.shape == (rows,)
+        assert (loss[target == -100] == 0).all()
+        assert_matches_oracle(loss, ref["same"][0].detach(), ref["oracle"][0].detach(), f"loss {what}",
+                              reduced=classes)
+        assert ours_x.grad.dtype == dtype
+        assert (ours_x.grad[target == -100] == 0).all()
+        assert_matches_oracle(ours_x.grad, ref["same"][1].grad, ref["oracle"][1].grad, f"grad {what}",
+                              reduced=classes)
+
+
+@pytest.mark.parametrize("backend,device", backend_cases(BACKENDS))
+def test_reductions_and_ignored_rows(backend, device):
+    logits, target = random_case(33, 50, torch.float32, device, ignored_every=3)
+    for reduction in ("mean", "sum", "none"):
+        for ignore_index in (-100, 7):
+            t = torch.where(target == -100, ignore_index, target)
+            t[1] = 7
+            x, x64 = logits.clone().requires_grad_(), logits.double().requires_grad_()
+            with kf.use_backend(backend):
+                ours = kf.cross_entropy(x, t, reduction=reduction, ignore_index=ignore_index)
+            expected = F.cross_entropy(x64, t, reduction=reduction, ignore_index=ignore_index)
+            g = torch.randn_like(expected)
+            with kf.use_backend(backend):
+                ours.backward(g.float())
+            expected.backward(g)
+            torch.testing.assert_close(ours.double(), expected, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend,device", backend_cases(BACKENDS))
+def test_every_target_ignored_and_no_rows(backend, device):
+    with kf.use_backend(backend):
+        all_ignored = kf.cross_entropy(torch.randn(4, 9, device=device), torch.full((4,), -100, device=device))
+        empty = kf.cross_entropy(torch.randn(0, 9, device=device), torch.zeros(0, dtype=torch.long, device=device))
+        empty_sum = kf.cross_entropy(torch.randn(0, 9, device=device), torch.zeros(0, dtype=torch.long, device=device),
+                                     reduction="sum")
+    assert all_ignored.isnan() and empty.isnan() and empty_sum.item() == 0  # torch's values for these
+
+
+@pytest.mark.parametrize("backend,device", backend_cases(BACKENDS))
+def test_torch_layouts_and_strides(backend, device):
+    """(C,) with a 0-d target, (N, C, d1, d2) with classes along dim 1, a strided (sliced) row
+    layout, and int32 targets: all as torch computes them."""
+    cases = []
+    x = torch.randn(11, device=device)
+    cases.append((x, torch.tensor(3, device=device)))
+    x = torch.randn(2, 6, 3, 4, device=device)
+    cases.append((x, torch.randint(0, 6, (2, 3, 4), device=device)))
+    x = torch.randn(9, 40, device=device)[:, ::2]  # column stride 2: copied to unit stride
+    cases.append((x, torch.randint(0, 20, (9,), device=device)))
+    x = torch.randn(12, 64, device=device)[::3, 8:]  # row stride 192, unit columns: read in place
+    cases.append((x, torch.randint(0, 56, (4,), device=device, dtype=torch.int32)))
+    for logits, target in cases:
+        for reduction in ("none", "mean"):
+            ours_x, x64 = logits.clone().requires_grad_(), logits.double().requires_grad_()
+            with kf.use_backend(backend):
+                ours = kf.cross_entropy(ours_x, target, reduction=reduction)
+                ours.sum().backward()
+            expected = F.cross_entropy(x64, target.long(), reduction=reduction)
+            expected.sum().backward()
+            assert ours.shape == expected.shape
+            torch.testing.assert_close(ours.double(), expected, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(ours_x.grad.double(), x64.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend,device", backend_cases(BACKENDS))
+def test_target_out_of_range_is_nan(backend, device):
+    """A class index outside [0, C) that is not ignore_index: that row's loss and gradient are NaN
+    (a GPU kernel cannot raise without a host sync), the other rows are right."""
+    logits, target = random_case(6, 10, torch.float32, device)
+    target[2], target[4] = 10, -1
+    x = logits.clone().requires_grad_()
+    with kf.use_backend(backend):
+        loss = kf.cross_entropy(x, target, reduction="none")
+        loss.backward(torch.ones_like(loss))
+    bad = torch.zeros(6, dtype=torch.bool, device=device)
+    bad[[2, 4]] = True
+    assert loss[bad].isnan().all() and not loss[~bad].isnan().any()
+    assert x.grad[bad].isnan().all() and not x.grad[~bad].isnan().any()
+    good = F.cross_entropy(logits[~bad].double(), target[~bad], reduction="none")
+    torch.testing.assert_close(loss[~bad].double(), good)
+
+
+def op_samples(device):
+    for dtype in (torch.float32, torch.float64):
+        for smoothing in (0.0, 0.2):
+            logits, target = random_case(5, 13, dtype, device, ignored_every=2)
+            yield logits.requires_grad_(), target, -100, smoothing
+
+
+@pytest.mark.parametrize("device", device_cases())
+def test_opcheck(device):
+    fwd, bwd = torch.ops.kernelforge.cross_entropy.default, torch.ops.kernelforge.cross_entropy_backward.default
+    for logits, target, ignore_index, smoothing in op_samples(device):
+        if device == "cuda" and logits.dtype == torch.float64:
+            continue  # no GPU kernel takes float64 (the reference does, on the CPU)
+        torch.library.opcheck(fwd, (logits, target, ignore_index, smoothing))
+        loss, lse = fwd(logits.detach(), target, ignore_index, smoothing)
+        g = torch.randn_like(loss)
+        torch.library.opcheck(bwd, (g, logits.detach(), target, lse, ignore_index, smoothing))
+        torch.library.opcheck(bwd, (g.requires_grad_(), logits, target, lse, ignore_index, smoothing))
+
+
+def test_double_backward_gradgradcheck():
+    """create_graph=True through the registered backward op: Hessian-vector products in float64."""
+    logits, target = random_case(4, 6, torch.float64, "cpu", ignored_every=3)
+    for smoothing in (0.0, 0.3):
+        def f(x):
+            return kf.cross_entropy(x, target, reduction="none", label_smoothing=smoothing)
+        assert torch.autograd.gradgradcheck(f, (logits.clone().requires_grad_(),))
+
+
+def test_fake_matches_real():
+    op = torch.ops.kernelforge.cross_entropy
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        logits, target = random_case(3, 8, dtype, "cpu")
+        real = op(logits, target, -100, 0.0)
+        with torch._subclasses.FakeTensorMode() as mode:
+            fake = op(mode.from_tensor(logits), mode.from_tensor(target), -100, 0.0)
+        assert [(t.shape, t.dtype, t.stride()) for t in real] == [(t.shape, t.dtype, t.stride()) for t in fake]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", device_cases())
+def test_torch_compile_fullgraph(device):
+    """A projection and the loss under torch.compile(fullgraph=True): values and gradients as eager."""
+    from tests.numerics import assert_compiled_matches_eager
+
+    def lm_head_loss(h, w):
+        logits = h @ w
+        return kf.cross_entropy(logits, target, label_smoothing=0.05) + kf.cross_entropy(logits, target,
+                                                                                          reduction="sum") * 1e-3
+
+    h = torch.randn(16, 32, device=device, requires_grad=True)
+    w = torch.randn(32, 300, device=device, requires_grad=True)
+    target = torch.randint(0, 300, (16,), device=device)
+    target[3] = -100
+    torch._dynamo.reset()
+    assert_compiled_matches_eager(lm_head_loss, torch.compile(lm_head_loss, fullgraph=True), (h, w))
+
+
+def test_module_matches_function():
+    logits, target = random_case(7, 20, torch.float32, "cpu")
+    module = kf.nn.CrossEntropyLoss(ignore_index=-100, reduction="sum", label_smoothing=0.1)
+    torch.testing.assert_close(module(logits, target),
+                               kf.cross_entropy(logits, target, reduction="sum", label_smoothing=0.1))
+    assert "label_smoothing=0.1" in repr(module)
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        kf.nn.CrossEntropyLoss(reduction="avg")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_peak_memory_is_logits_and_gradient():
+    """bf16 logits forward + backward on the GPU allocate the gradient and O(rows) beside the
+    logits: no float32 copy of the logits (F.cross_entropy(logits.float()) makes two)."""
+    rows, classes = 2048, 32000
+    logits = (torch.randn(rows, classes, device="cuda") * 4).bfloat16().requires_grad_()
+    target = torch.randint(0, classes, (rows,), device="cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with kf.use_backend("triton"):
+        kf.cross_entropy(logits, target).backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    logits_bytes = logits.numel() * logits.element_size()
+    assert extra <= logits_bytes + 64 * rows + (1 << 20), f"{extra} bytes beyond the logits ({logits_bytes})"
+
+
+def test_bad_input_errors():
+    x, t = torch.randn(4, 5), torch.randint(0, 5, (4,))
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        kf.cross_entropy(x, t, reduction="avg")
+    with pytest.raises(TypeError, match="probability targets are not supported"):
+        kf.cross_entropy(x, torch.rand(4, 5))
+    with pytest.raises(TypeError, match="target must be class indices of dtype int64 or int32, got torch.int16"):
+        kf.cross_entropy(x, t.short())
+    with pytest.raises(TypeError, match="logits must have dtype"):
+        kf.cross_entropy(x.int(), t)
+    with pytest.raises(ValueError, match=r"target must have shape \(4,\) for logits of shape \(4, 5\)"):
+        kf.cross_entropy(x, t[:3])
+    with pytest.raises(ValueError, match="unbatched logits"):
+        kf.cross_entropy(x[0], t)
+    with pytest.raises(ValueError, match="got a 0-d tensor"):
+        kf.cross_entropy(x[0, 0], t[0])
+    with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 1\], got 1.5"):
+        kf.cross_entropy(x, t, label_smoothing=1.5)
+    with pytest.raises(RuntimeError, match="at least one class"):
+        kf.cross_entropy(torch.randn(4, 0), t)
+    with pytest.raises(ValueError, match=r"logits must be \(rows, classes\)"):
+        torch.ops.kernelforge.cross_entropy(torch.randn(2, 3, 4), t, -100, 0.0)
+    with pytest.raises(RuntimeError, match="grad_loss must be"):
+        torch.ops.kernelforge.cross_entropy_backward(torch.ones(3), x, t, torch.zeros(4), -100, 0.0)
+    if HAS_CUDA:
+        with pytest.raises(RuntimeError, match="same device"):
+            kf.cross_entropy(x.cuda(), t)
