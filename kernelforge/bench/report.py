@@ -8,7 +8,7 @@ from pathlib import Path
 
 META_COLUMNS = ("device", "torch", "cuda", "triton", "python", "commit", "timestamp")
 ROW_COLUMNS = ("op", "shape", "dtype", "direction", "impl", "timing", "ms", "p20_ms", "p80_ms", "gbps", "tflops",
-               "pct_of_ceiling", "ceiling", "error")
+               "pct_of_ceiling", "ceiling", "peak_mib", "error")
 # The rows a "speedup" is measured against (the best of those present): PyTorch, and for
 # attention SDPA's backends (FlashAttention-2, cuDNN, its own choice) and FlexAttention.
 BASELINES = ("torch eager", "torch.compile", "sdpa flash", "sdpa cudnn", "sdpa", "flex attention")
@@ -54,7 +54,8 @@ def markdown(result: dict) -> str:
         "Median of many runs; cases whose largest input is under 1M elements back to back (per-call overhead "
         "counts), larger ones with an L2 flush before each run. Speedup is against the best of eager and "
         "torch.compile (attention: of the SDPA backends, FlexAttention and eager); a row replayed from a CUDA "
-        "graph against the baselines replayed the same way.",
+        "graph against the baselines replayed the same way. Peak MiB (GPU): memory one call allocates beyond its "
+        "inputs at its peak (for fwd+bwd, the forward's saved tensors and the gradients).",
     ]
     missing = {op: m for op, m in meta.get("missing_peers", {}).items() if m}
     if missing:
@@ -65,18 +66,19 @@ def markdown(result: dict) -> str:
         if notes:
             lines += ["", "Left out: " + "; ".join(f"{note} ({n} case{'s' if n > 1 else ''})"
                                                    for note, n in notes.items()) + "."]
-        lines += ["", "| shape | dtype | direction | implementation | ms | GB/s | TFLOP/s | % of ceiling | speedup |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| shape | dtype | direction | implementation | ms | GB/s | TFLOP/s | % of ceiling | speedup "
+                  "| peak MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in (r for r in rows if r["op"] == op):
             head = f"| {r['shape']} | {r['dtype']} | {r['direction']} | {r['impl']} |"
             if "error" in r:
-                lines.append(f"{head} FAILED: {r['error']} | | | | |")
+                lines.append(f"{head} FAILED: {r['error']} | | | | | |")
                 continue
             best = _best_baseline_ms(rows, r)
             tflops = f"{r['tflops']:.1f}" if r.get("tflops") is not None else ""
             pct = f"{r['pct_of_ceiling']:.1f}" if r.get("pct_of_ceiling") is not None else ""
             speed = f"{best / r['ms']:.2f}x" if best else ""
-            lines.append(f"{head} {r['ms']:.4f} | {r['gbps']:.0f} | {tflops} | {pct} | {speed} |")
+            peak = f"{r['peak_mib']:.0f}" if r.get("peak_mib") is not None else ""
+            lines.append(f"{head} {r['ms']:.4f} | {r['gbps']:.0f} | {tflops} | {pct} | {speed} | {peak} |")
     return "\n".join(lines) + "\n"
 
 

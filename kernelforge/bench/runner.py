@@ -74,6 +74,17 @@ def prepare_call(fn, inputs: tuple, direction: str):
     return forced
 
 
+def peak_extra_mib(call, device: torch.device) -> float:
+    """Memory one call allocates beyond what is allocated before it, at its peak (MiB): a forward's
+    temporaries, or a forward+backward's saved tensors and gradients. One extra, untimed call."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    call()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+
+
 def _do_bench_row(fn, inputs: tuple, base: dict) -> dict:
     """The same forward timed independently by triton.testing.do_bench (median)."""
     import triton.testing
@@ -114,9 +125,11 @@ def run_suite(suite: Suite, dtypes: list[str], device: torch.device, quick: bool
             row = {"op": suite.op, "shape": suite.label(shape), "dtype": dtype_name, "direction": direction,
                    "impl": name, "timing": "back-to-back" if small else "L2 flushed"}
             try:
-                t = time_function(prepare_call(fn, inputs, direction), device, warmup=warmup, repeat=repeat,
-                                  back_to_back=small)
+                call = prepare_call(fn, inputs, direction)
+                t = time_function(call, device, warmup=warmup, repeat=repeat, back_to_back=small)
                 row.update(ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, **roofline(cost, t.median_ms, ceilings))
+                if device.type == "cuda":
+                    row["peak_mib"] = peak_extra_mib(call, device)
             except Unavailable as why:  # cannot take this case here: no row, a note
                 note = f"{name}: {why}"
                 left_out[note] = left_out.get(note, 0) + 1

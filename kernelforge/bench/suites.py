@@ -193,6 +193,29 @@ def _gated_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> tup
     return torch.randn(shape, device=device, dtype=dtype), torch.randn(shape, device=device, dtype=dtype)
 
 
+def _cross_entropy_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> tuple:
+    rows, classes = shape
+    return (torch.randn(shape, device=device, dtype=dtype) * 4,
+            torch.randint(0, classes, (rows,), device=device))
+
+
+def _cross_entropy_cost(shape: Shape, dtype: torch.dtype, direction: str) -> Cost:
+    """The logits read forward; read again and their gradient written backward (the per-row
+    target, loss and lse are noise)."""
+    return Cost((1 if direction == "fwd" else 3) * torch.Size(shape).numel() * dtype.itemsize)
+
+
+def _cross_entropy_suite() -> Suite:
+    """Mean cross-entropy of (rows, vocabulary) logits. The baseline is PyTorch's float32 recipe,
+    F.cross_entropy(logits.float(), target), whose accuracy kernelforge's matches (its loss is
+    float32 too); F.cross_entropy straight on bfloat16 logits returns a bfloat16 loss."""
+    eager = lambda x, t: torch.nn.functional.cross_entropy(x.float(), t)  # noqa: E731
+    return Suite(op="cross_entropy", shapes=[(4096, 128256), (16384, 32000), (8192, 50257), (8, 32000),
+                                             (32, 128256)],
+                 quick_shapes=[(256, 4096), (8, 1000)], make_inputs=_cross_entropy_inputs, cost=_cross_entropy_cost,
+                 kernelforge=lambda x, t: kf.cross_entropy(x, t), baselines=_baselines(eager))
+
+
 # Norms and activations: TARGETS.md's large shapes, then the latency shapes.
 ROW_OP_SHAPES = [(16384, 4096), (8192, 16384), (4096, 65536), (1, 4096), (8, 4096), (32, 4096)]
 QUICK_SHAPES = [(256, 4096), (8, 4096)]
@@ -276,6 +299,7 @@ SUITES: dict[str, Suite] = {
                                    lambda x, b: torch.nn.functional.silu(x + b), bias=True),
     "geglu": _gated_suite("geglu", lambda gate, up: kf.geglu(gate, up, approximate="tanh"),  # Liger's form
                           lambda gate, up: torch.nn.functional.gelu(gate, approximate="tanh") * up, _liger_geglu),
+    "cross_entropy": _cross_entropy_suite(),
     **attention_suites(),
     **gemm_suites(),
     **recurrent_suites(),
