@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Callable, Optional, TextIO
 
 import torch
-import torch.nn.functional as F
 
 from kernelforge import backends
 from kernelforge.bench.timing import time_function
@@ -98,8 +97,7 @@ def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Cal
 
     def step(ids):
         with model.kernel_scope():
-            logits = model(ids[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+            loss = model.loss(ids)
             loss.backward()
         grad_norm = torch.stack([n.float() for n in torch._foreach_norm([p.grad for p in params])]).norm()
         optimizer.step()

@@ -79,6 +79,18 @@ class LanguageModel(LevelledModel):
             x = layer(x)
         return self.head(self.norm(x))
 
+    def loss(self, ids):
+        """Next-token cross-entropy of ids (B, T): the logits of ids[:, :-1] against ids[:, 1:], the mean
+        over B * (T - 1) targets, float32. The loss runs at the model's level with the rest: torch.compile
+        compiles it into the model's graph, the kernelforge levels run kernelforge.cross_entropy on the
+        logits in their dtype (the torch levels take torch's float32 recipe, F.cross_entropy(logits.float()))."""
+        return self.run("compute_loss", ids)
+
+    def compute_loss(self, ids):
+        """ids (B, T) -> the mean next-token loss (a float32 scalar)."""
+        logits = self.compute(ids[:, :-1])  # (B, T - 1, vocab)
+        return self.kernels.ops.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
     def compute_cached(self, ids, positions, cache):
         """ids (B, T) at `positions` (T,) -> logits of the last token (B, vocab); writes the
         layers' keys and values into cache (layers, 2, B, H, S, D)."""

@@ -4,7 +4,7 @@
     torchscript  the native computation traced by torch.jit.trace, once per input signature
     compile      the native computation under torch.compile (Inductor)
     triton       kernelforge ops on their Triton kernels (fused bias + activation GEMMs, fused
-                 residual add + norm, flash attention and flash-decoding, SwiGLU)
+                 residual add + norm, flash attention and flash-decoding, SwiGLU, cross-entropy)
     cuda         kernelforge ops on their CUDA C++ kernels where kernelforge has them (GEMM,
                  norms, attention forward, activations); the measured choice for the rest
 
@@ -137,6 +137,11 @@ class TorchKernels:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def cross_entropy(self, logits, target):
+        """Mean loss of (N, C) logits against (N,) classes, float32: torch's recipe for half-precision
+        logits, a float32 copy of them first (and log-softmax's float32 output kept for the backward)."""
+        return F.cross_entropy(logits.float(), target)
+
     def gather_scatter(self, x, src, dst, num_nodes: int, reduce: str):
         """Message passing's aggregation: out[i] = the sum (or mean) of x[src[e]] over the edges e
         with dst[e] == i; (num_nodes, ...), zero where no edge arrives. Half types accumulate in
@@ -199,6 +204,12 @@ class KernelforgeKernels:
         import kernelforge as kf
 
         return kf.swiglu(gate_up)
+
+    def cross_entropy(self, logits, target):
+        """The same float32 loss from the logits in their own dtype (no float32 copy)."""
+        import kernelforge as kf
+
+        return kf.cross_entropy(logits, target)
 
     def gather_scatter(self, x, src, dst, num_nodes: int, reduce: str):
         """TorchKernels' index_select + index_add: kernelforge has no fused gather-scatter kernel

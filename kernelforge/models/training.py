@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from kernelforge.models.language_model import LanguageModel
 
@@ -52,8 +51,7 @@ def train_language_model(level: str = "native", config: TrainConfig = TrainConfi
         starts = torch.randint(0, len(data) - config.seq_len - 1, (config.batch, 1), generator=batches)
         tokens = data[starts + windows].to(device)  # (batch, seq_len + 1)
         with model.kernel_scope():
-            logits = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+            loss = model.loss(tokens)
             loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -123,6 +123,26 @@ def test_gradients_match_across_levels(level, device):
 
 
 @pytest.mark.parametrize("level, device", level_cases())
+def test_next_token_loss_and_its_gradients_match_across_levels(level, device):
+    """LanguageModel.loss at every level: the value against the float64 native level (2x native's
+    float32 error + a floor), the gradients against native's."""
+    model = randomize(tiny_lm()).to(device)
+    ids = torch.randint(0, 61, (3, 12), device=device)
+    expected = copy.deepcopy(model).double().loss(ids).item()
+    native = copy.deepcopy(model)
+    native_loss = native.loss(ids)
+    native_loss.backward()
+    model.set_level(level)
+    with model.kernel_scope():
+        loss = model.loss(ids)
+        loss.backward()
+    assert loss.dtype == torch.float32 and loss.shape == ()
+    assert abs(loss.item() - expected) <= 2 * abs(native_loss.item() - expected) + 1e-6 * abs(expected)
+    for (name, p), q in zip(model.named_parameters(), native.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4 * q.grad.abs().max().item(), msg=name)
+
+
+@pytest.mark.parametrize("level, device", level_cases())
 def test_generation_is_the_same_at_every_level(level, device):
     model = randomize(tiny_lm()).to(device).eval()
     prompt = torch.randint(0, 61, (3, 5), device=device)
@@ -239,8 +259,8 @@ def test_triton_level_runs_kernelforge_ops_in_both_directions():
     model = tiny_lm(level="triton").to(device)
     ids = torch.randint(0, 61, (2, 9), device=device)
     with model.kernel_scope(), backends.recording() as ran:
-        model(ids).sum().backward()
-    assert {op for op, _ in ran} == {"gemm", "norms", "attention", "gated_activation"}
+        model.loss(ids).backward()
+    assert {op for op, _ in ran} == {"gemm", "norms", "attention", "gated_activation", "cross_entropy"}
     assert {backend for _, backend in ran} == {"triton"}
 
 
