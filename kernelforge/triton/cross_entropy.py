@@ -16,6 +16,9 @@ tensor. Accumulation is in float32 whatever the logits' dtype; the gradient is r
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -32,28 +35,48 @@ BLOCK_CLASSES = 4096
 @triton.jit
 def cross_entropy_forward_kernel(
     LOGITS, TARGET, LOSS, LSE, n_classes, row_stride, ignore_index, label_smoothing,
-    BLOCK: tl.constexpr, SMOOTHING: tl.constexpr, PRECISE: tl.constexpr,
+    BLOCK: tl.constexpr, SMOOTHING: tl.constexpr, PRECISE: tl.constexpr, LANES: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     base = LOGITS + row * row_stride
     cols = tl.arange(0, BLOCK)
     target = tl.load(TARGET + row).to(tl.int64)
     ignored = target == ignore_index
-    # A row's running max and sum: one exp2 an element (the max moves by whole blocks).
-    running_max = tl.full((), float("-inf"), tl.float32)
-    running_sum = tl.zeros((), tl.float32)
     row_total = tl.zeros((BLOCK,), tl.float32)
-    for start in range(0, n_classes, BLOCK):
-        mask = start + cols < n_classes
-        x = tl.load(base + start + cols, mask=mask, other=float("-inf"), eviction_policy="evict_first")
-        x = x.to(tl.float32)
-        new_max = tl.maximum(running_max, tl.max(x, axis=0))
-        # a row of -inf so far keeps new_max -inf: shift by 0 then, not by -inf (NaN)
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        running_sum = running_sum * tl.exp2((running_max - shift) * LOG2E) + tl.sum(tl.exp2((x - shift) * LOG2E), 0)
-        running_max = new_max
-        if SMOOTHING:
-            row_total += tl.where(mask, x, 0.0)
+    if LANES:
+        # Each lane keeps its own running max and sum: no reduction across the program inside the
+        # walk (whose barriers stall the next loads), two exp2 an element, lanes merged once at the end.
+        lane_max = tl.full((BLOCK,), float("-inf"), tl.float32)
+        lane_sum = tl.zeros((BLOCK,), tl.float32)
+        for start in tl.range(0, n_classes, BLOCK, num_stages=STAGES):
+            mask = start + cols < n_classes
+            x = tl.load(base + start + cols, mask=mask, other=float("-inf"), eviction_policy="evict_first")
+            x = x.to(tl.float32)
+            new_max = tl.maximum(lane_max, x)
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # an all -inf lane: shift by 0, not -inf
+            lane_sum = lane_sum * tl.exp2((lane_max - shift) * LOG2E) + tl.exp2((x - shift) * LOG2E)
+            lane_max = new_max
+            if SMOOTHING:
+                row_total += tl.where(mask, x, 0.0)
+        running_max = tl.max(lane_max, axis=0)
+        shift = tl.where(running_max == float("-inf"), 0.0, running_max)
+        running_sum = tl.sum(lane_sum * tl.exp2((lane_max - shift) * LOG2E), axis=0)
+    else:
+        # The row's running max and sum: one exp2 an element (the max moves by whole blocks).
+        running_max = tl.full((), float("-inf"), tl.float32)
+        running_sum = tl.zeros((), tl.float32)
+        for start in tl.range(0, n_classes, BLOCK, num_stages=STAGES):
+            mask = start + cols < n_classes
+            x = tl.load(base + start + cols, mask=mask, other=float("-inf"), eviction_policy="evict_first")
+            x = x.to(tl.float32)
+            new_max = tl.maximum(running_max, tl.max(x, axis=0))
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            running_sum = running_sum * tl.exp2((running_max - shift) * LOG2E) + tl.sum(
+                tl.exp2((x - shift) * LOG2E), 0)
+            running_max = new_max
+            if SMOOTHING:
+                row_total += tl.where(mask, x, 0.0)
     lse = running_max + _log(running_sum, PRECISE)
     in_range = (target >= 0) & (target < n_classes)
     target_logit = tl.load(base + target, mask=in_range & ~ignored, other=0.0).to(tl.float32)
@@ -96,19 +119,33 @@ def _block(n_classes: int) -> tuple[int, int]:
     return block, warps_for(block * 8)  # ~4 values a thread for short rows, 16 for a full block
 
 
+@dataclass(frozen=True)
+class ForwardConfig:
+    block: int
+    num_warps: int
+    lanes: bool  # lane-wise running max and sum (else one per program, reduced every block)
+    stages: int  # software-pipelining depth of the walk's loads
+
+
+def default_forward_config(n_classes: int) -> ForwardConfig:
+    block, warps = _block(n_classes)
+    return ForwardConfig(block, warps, False, 1)
+
+
 def cross_entropy_forward_rows(logits2d: torch.Tensor, target: torch.Tensor, ignore_index: int,
-                               label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
+                               label_smoothing: float, config: Optional[ForwardConfig] = None,
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-row loss, per-row lse), (rows,) float32 each, of logits2d (unit column stride)."""
     rows, n_classes = logits2d.shape
     loss = torch.empty(rows, dtype=torch.float32, device=logits2d.device)
     lse = torch.empty(rows, dtype=torch.float32, device=logits2d.device)
     if rows == 0:
         return loss, lse
-    block, warps = _block(n_classes)
+    cfg = config or default_forward_config(n_classes)
     with on_device(logits2d):
         launch(cross_entropy_forward_kernel, (rows,), logits2d, target, loss, lse, n_classes, logits2d.stride(0),
-               ignore_index, float(label_smoothing), BLOCK=block, SMOOTHING=label_smoothing != 0,
-               PRECISE=not interpreter_enabled(), num_warps=warps)
+               ignore_index, float(label_smoothing), BLOCK=cfg.block, SMOOTHING=label_smoothing != 0,
+               PRECISE=not interpreter_enabled(), LANES=cfg.lanes, STAGES=cfg.stages, num_warps=cfg.num_warps)
     return loss, lse
 
 
