@@ -4,14 +4,14 @@ torch.manual_seed(0)
 model = randomize(tiny_lm()).cuda()
 for shape in [(3, 12), (2, 17), (4, 33)]:
     ids = torch.randint(0, 61, shape, device="cuda")
-    for opts in ({}, {"triton.coalesce_tiling_analysis": False}):
+    for dynamic, opts in ((None, {}), (True, {}), (True, {"triton.coalesce_tiling_analysis": False})):
         torch._dynamo.reset()
         m = copy.deepcopy(model)
-        f = torch.compile(lambda i: m.compute_loss(i), options=opts or None)
+        f = torch.compile(lambda i: m.compute_loss(i), dynamic=dynamic, options=opts or None)
         try:
-            f(ids).backward(); print(shape, opts, "ok")
+            f(ids).backward(); print(shape, "dynamic" if dynamic else "static", opts, "ok")
         except Exception as e:
-            print(shape, opts, "FAILED", type(e).__name__, str(e).splitlines()[0][:150])
+            print(shape, "dynamic" if dynamic else "static", opts, "FAILED", type(e).__name__, str(e).splitlines()[0][:150])
 # the loss alone
 for rows, v in [(33, 61), (34, 61), (33, 64), (1008, 256)]:
     for opts in ({}, {"triton.coalesce_tiling_analysis": False}):

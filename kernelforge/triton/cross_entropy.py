@@ -150,14 +150,15 @@ def cross_entropy_forward_rows(logits2d: torch.Tensor, target: torch.Tensor, ign
 
 
 def cross_entropy_backward_rows(grad_loss: torch.Tensor, logits2d: torch.Tensor, target: torch.Tensor,
-                                lse: torch.Tensor, ignore_index: int, label_smoothing: float) -> torch.Tensor:
+                                lse: torch.Tensor, ignore_index: int, label_smoothing: float,
+                                config: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """The logits' gradient, (rows, classes) dense in their dtype; grad_loss (rows,) may have stride
     0 (the mean's scalar gradient, expanded)."""
     rows, n_classes = logits2d.shape
     grad = torch.empty((rows, n_classes), dtype=logits2d.dtype, device=logits2d.device)
     if grad.numel() == 0:
         return grad
-    block, warps = _block(n_classes)
+    block, warps = config or _block(n_classes)
     with on_device(logits2d):
         launch(cross_entropy_backward_kernel, (rows,), grad_loss, grad_loss.stride(0), logits2d, target, lse, grad,
                n_classes, logits2d.stride(0), grad.stride(0), ignore_index, float(label_smoothing),
