@@ -4,4 +4,5 @@ Importing this package registers every op under the `kernelforge` torch.library 
 No kernel code lives here.
 """
 # importing registers the torch.library operators (kernelforge::softmax, ...)
-from kernelforge.ops import activations, attention, convrnn, gated_activations, gemm, norms, softmax  # noqa: F401
+from kernelforge.ops import (activations, attention, convrnn, gated_activations, gather_scatter, gemm,  # noqa: F401
+                             norms, softmax)
