@@ -4,7 +4,8 @@
     torchscript  the native computation traced by torch.jit.trace, once per input signature
     compile      the native computation under torch.compile (Inductor)
     triton       kernelforge ops on their Triton kernels (fused bias + activation GEMMs, fused
-                 residual add + norm, flash attention and flash-decoding, SwiGLU)
+                 residual add + norm, flash attention and flash-decoding, SwiGLU, the GNN's
+                 fused gather-scatter)
     cuda         kernelforge ops on their CUDA C++ kernels where kernelforge has them (GEMM,
                  norms, attention forward, activations); the measured choice for the rest
 
@@ -195,9 +196,13 @@ class KernelforgeKernels:
         return kf.swiglu(gate_up)
 
     def gather_scatter(self, x, src, dst, num_nodes: int, reduce: str):
-        """TorchKernels' index_select + index_add: kernelforge has no fused gather-scatter kernel
-        (none written: whether one pays has not been measured on a GPU)."""
-        return TORCH_KERNELS.gather_scatter(x, src, dst, num_nodes, reduce)
+        """kernelforge.gather_scatter: on a GPU one Triton kernel gathers each message straight into
+        a float32 accumulator (no (E, ...) messages written and read back). Its atomics make the
+        sums' rounding vary from run to run; under torch.use_deterministic_algorithms(True) the
+        reference runs instead. The cuda level has no CUDA C++ kernel for it: Triton runs there too."""
+        import kernelforge as kf
+
+        return kf.gather_scatter(x, src, dst, num_nodes, reduce)
 
 
 TORCH_KERNELS = TorchKernels()
