@@ -42,16 +42,20 @@ from kernelforge.triton._launch import cdiv, launch, next_power_of_2, on_device
 
 # CUDA caps a grid's second dimension at 65535: wider feature ranges loop over feature blocks.
 MAX_GRID_Y = 65535
-# Elements one program of _gather_scatter_kernel moves (BLOCK_E x BLOCK_F, 32 a thread at 4
-# warps): 32 edges x 128 features for wide rows, more edges a program for narrow ones. Not
-# tuned on a GPU yet (benchmarks/gather_scatter_bench.py --sweep times alternatives).
-TILE_ELEMS = 4096
+# Elements one program of _gather_scatter_kernel moves (BLOCK_E x BLOCK_F): 16 edges x 128
+# features for wide rows, more edges a program for narrow ones, 8 elements a thread at 8 warps.
+# Each element holds two 64-bit addresses (its gather and its atomic) besides its value: ptxas
+# (sm_90a, Triton 3.6) gives 64-80 registers a thread at 8 elements, 215-238 at 32 (4096 at 4
+# warps), which would leave two programs an SM to hide the gathers' latency. Not timed on a GPU
+# yet (benchmarks/gather_scatter_bench.py --sweep times alternatives).
+TILE_ELEMS = 2048
 MAX_BLOCK_F = 128
-MIN_BLOCK_E, MAX_BLOCK_E = 32, 1024
-NUM_WARPS = 4
-# _finish_kernel and _in_degree_kernel: elements (ids) a program.
+MIN_BLOCK_E, MAX_BLOCK_E = 16, 2048
+NUM_WARPS = 8
+# _finish_kernel and _in_degree_kernel: elements (ids) a program, at 4 warps.
 FINISH_BLOCK = 1024
 DEGREE_BLOCK = 1024
+SMALL_NUM_WARPS = 4
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -154,7 +158,8 @@ def _aggregate(inp: torch.Tensor, gather: torch.Tensor, scatter: torch.Tensor, r
         deg = torch.zeros(inp.shape[0] if backward else rows, dtype=torch.float32, device=inp.device)
     with on_device(inp):
         if mean and backward:
-            launch(_in_degree_kernel, (cdiv(n_edges, DEGREE_BLOCK),), gather, deg, n_edges, BLOCK=DEGREE_BLOCK)
+            launch(_in_degree_kernel, (cdiv(n_edges, DEGREE_BLOCK),), gather, deg, n_edges, BLOCK=DEGREE_BLOCK,
+                   num_warps=SMALL_NUM_WARPS)
         grid = (cdiv(n_edges, cfg.block_e), min(MAX_GRID_Y, cdiv(n_cols, cfg.block_f)))
         launch(
             _gather_scatter_kernel, grid,
@@ -167,7 +172,7 @@ def _aggregate(inp: torch.Tensor, gather: torch.Tensor, scatter: torch.Tensor, r
             return acc
         out = acc if inp.dtype == torch.float32 else torch.empty_like(acc, dtype=inp.dtype)
         launch(_finish_kernel, (cdiv(acc.numel(), FINISH_BLOCK),), acc, out, deg, acc.numel(), n_cols,
-               MEAN=finish_mean, BLOCK=FINISH_BLOCK, num_warps=NUM_WARPS)
+               MEAN=finish_mean, BLOCK=FINISH_BLOCK, num_warps=SMALL_NUM_WARPS)
     return out
 
 
@@ -182,3 +187,56 @@ def gather_scatter_backward_rows(grad2d: torch.Tensor, src: torch.Tensor, dst: t
                                  mean: bool, config: Optional[Config] = None) -> torch.Tensor:
     """(num_rows, F): grad_x[src[e]] += grad2d[dst[e]] (/ max(1, in-degree of dst[e]) for the mean)."""
     return _aggregate(grad2d, dst, src, num_rows, mean, True, config)
+
+
+# ----------------------------------------------------------------------------- build check
+_TYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
+               torch.int64: "i64"}
+
+
+def _sm90_usage(kernel, signature: dict, constexprs: dict, num_warps: int) -> dict:
+    """Compile a kernel for sm_90a without a GPU (Triton's own ptxas): registers a thread and
+    spilled bytes."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    compiled = triton.compile(ASTSource(kernel, {**signature, **{k: "constexpr" for k in constexprs}},
+                                        constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(f"{tmp}/kernel.ptx", "w") as f:
+            f.write(compiled.asm["ptx"])
+        report = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", f"{tmp}/kernel.ptx", "-o",
+                                 f"{tmp}/kernel.cubin"], capture_output=True, text=True, check=True).stderr
+    spills = re.search(r"(\d+) bytes spill stores", report)
+    return {"registers": int(re.search(r"Used (\d+) registers", report).group(1)),
+            "spills": int(spills.group(1)) if spills else 0}
+
+
+def compile_for_sm90(dtype: torch.dtype = torch.bfloat16, index_dtype: torch.dtype = torch.int64,
+                     n_cols: int = 128) -> dict:
+    """Build every kernel a forward and a backward launch for sm_90a at the default config for
+    n_cols features: {variant: {"registers", "spills"}}. The test suite's check, on machines
+    without a GPU, that this Triton compiles them (the interpreter runs them uncompiled) within
+    the register budget the tile was chosen for. Call it in a Python without TRITON_INTERPRET."""
+    cfg = default_config(n_cols)
+    value, index = _TYPE_NAMES[dtype], _TYPE_NAMES[index_dtype]
+    signature = {"inp_ptr": f"*{value}", "gather_ptr": f"*{index}", "scatter_ptr": f"*{index}", "acc_ptr": "*fp32",
+                 "deg_ptr": "*fp32", "n_edges": "i32", "n_cols": "i32", "inp_row_stride": "i32",
+                 "acc_row_stride": "i32"}
+    usage = {}
+    for name, count, scale in (("sum", False, False), ("mean forward", True, False), ("mean backward", False, True)):
+        usage[f"gather_scatter {name}"] = _sm90_usage(
+            _gather_scatter_kernel, signature,
+            {"COUNT": count, "SCALE": scale, "BLOCK_E": cfg.block_e, "BLOCK_F": cfg.block_f}, cfg.num_warps)
+    usage["finish mean"] = _sm90_usage(
+        _finish_kernel, {"acc_ptr": "*fp32", "out_ptr": f"*{value}", "deg_ptr": "*fp32", "numel": "i64",
+                         "n_cols": "i32"}, {"MEAN": True, "BLOCK": FINISH_BLOCK}, SMALL_NUM_WARPS)
+    usage["in-degree"] = _sm90_usage(_in_degree_kernel, {"idx_ptr": f"*{index}", "deg_ptr": "*fp32", "n_edges": "i32"},
+                                     {"BLOCK": DEGREE_BLOCK}, SMALL_NUM_WARPS)
+    return usage

@@ -2,6 +2,12 @@
 sizes, trailing dims, int32 / int64 ids, duplicate edges, self loops, nodes no edge reaches,
 more or fewer output nodes than x has rows, strided inputs and empty cases; the registered ops
 (opcheck, gradcheck), torch.compile, the deterministic-mode fallback, and bad input."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -187,6 +193,33 @@ def test_triton_feature_loop_and_small_tiles(monkeypatch, backend, device, reduc
         torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-5)
         got_grad = tgs.gather_scatter_backward_rows(g, src, dst, n, reduce == "mean", config=config)
         torch.testing.assert_close(got_grad.double(), want_grad, rtol=1e-5, atol=1e-5)
+
+
+# Run by a fresh Python without TRITON_INTERPRET (tests.conftest sets it): the interpreter runs the
+# kernels without compiling them, so this is where a CPU run learns that they build for the GPU.
+BUILD_SCRIPT = """
+import json, torch
+from kernelforge.triton import gather_scatter
+builds = [(torch.bfloat16, torch.int64, 128), (torch.float32, torch.int32, 256), (torch.float16, torch.int64, 3)]
+print(json.dumps({f"{d} {i} F={f}": gather_scatter.compile_for_sm90(d, i, f) for d, i, f in builds}))
+"""
+# Two programs of 8 warps an SM at least (65536 registers / (2 x 256 threads)); the 32-elements-a-
+# thread tile this replaced took 215-238.
+MAX_REGISTERS = 128
+
+
+def test_kernels_build_for_sm90_without_spills():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", BUILD_SCRIPT], env=env, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0, run.stderr[-4000:]
+    builds = json.loads(run.stdout.splitlines()[-1])
+    assert len(builds) == 3
+    for build, usage in builds.items():
+        assert set(usage) == {"gather_scatter sum", "gather_scatter mean forward", "gather_scatter mean backward",
+                              "finish mean", "in-degree"}, build
+        for variant, use in usage.items():
+            assert use["spills"] == 0 and 0 < use["registers"] <= MAX_REGISTERS, (build, variant, use)
 
 
 def test_reference_is_the_definition():
