@@ -1,7 +1,9 @@
 """gather_scatter: every backend against a float64 oracle (forward and x's gradient) on odd
 sizes, trailing dims, int32 / int64 ids, duplicate edges, self loops, nodes no edge reaches,
 more or fewer output nodes than x has rows, strided inputs and empty cases; the registered ops
-(opcheck, gradcheck), torch.compile, the deterministic-mode fallback, and bad input."""
+(opcheck, gradcheck), torch.compile, the deterministic-mode fallback, bad input, and a build of
+the Triton kernels for sm_90a. The GPU suite adds the current stream, a second device, and ids
+past 2^31 elements."""
 import json
 import os
 import subprocess
@@ -15,7 +17,7 @@ import kernelforge as kf
 from kernelforge import backends
 from kernelforge.models.levels import TORCH_KERNELS
 from kernelforge.reference import gather_scatter as reference
-from tests.conftest import backend_cases, device_cases
+from tests.conftest import backend_cases, device_cases, needs_cuda
 from tests.numerics import assert_matches_oracle, same_layout
 
 BACKENDS = ("reference", "triton")
@@ -413,3 +415,66 @@ def test_reference_raises_on_out_of_range_ids(reduce):
     for src, dst in ((_ids(0, 5), _ids(1, 2)), (_ids(0, 1), _ids(1, 4)), (_ids(-1, 1), _ids(1, 2))):
         with kf.use_backend("reference"), pytest.raises((IndexError, RuntimeError), match="out of range|index"):
             kf.gather_scatter(x, src, dst, 4, reduce)
+
+
+# ----------------------------------------------------------------------------- GPU only
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_runs_on_the_current_stream(backend):
+    # On a side stream: a long sleep, then the write of x, then the op. A kernel (or a zero fill
+    # of the accumulator) on any other stream would run before x is written, or race the sleep.
+    source = torch.randn(5000, 64, device="cuda")
+    src, dst = make_edges(5000, 3000, 40000, "cuda")
+    g = torch.randn(3000, 64, device="cuda")
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side), kf.use_backend(backend):
+        torch.cuda._sleep(100_000_000)
+        x = (source * 2).requires_grad_()
+        y = kf.gather_scatter(x, src, dst, 3000, "mean")
+        (dx,) = torch.autograd.grad(y, x, g)
+    side.synchronize()
+    x64 = (source * 2).double().requires_grad_()
+    want = oracle(x64, src, dst, 3000, "mean")
+    (want_dx,) = torch.autograd.grad(want, x64, g.double())
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx.double(), want_dx, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_zero_device_index(backend):
+    assert torch.cuda.current_device() == 0
+    x = torch.randn(300, 40, device="cuda:1", requires_grad=True)
+    src, dst = make_edges(300, 200, 2000, "cuda:1", torch.int32)
+    with kf.use_backend(backend):
+        y = kf.gather_scatter(x, src, dst, 200)
+        y.backward(torch.ones_like(y))
+    assert y.device == x.device and x.grad.device == x.device
+    torch.testing.assert_close(y, reference.gather_scatter(x.detach(), src, dst, 200), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad, degrees(src, 300).to(x.device, torch.float32)[:, None].expand(300, 40))
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@needs_cuda
+def test_int32_ids_past_two_to_the_31_elements():
+    # x's last rows start past element 2^31 (4 GiB of bf16): int32 ids must be widened before
+    # they scale the row stride, in the forward's gather and the backward's scatter (whose float32
+    # accumulator is 8 GiB).
+    rows, n_cols = 2**31 // 128 + 64, 128
+    x = torch.randn(rows, n_cols, device="cuda", dtype=torch.bfloat16)
+    src = torch.tensor([rows - 1, rows - 2, 5, rows - 1, rows - 40], device="cuda", dtype=torch.int32)
+    dst = torch.tensor([0, 1, 1, 2, 2], device="cuda", dtype=torch.int32)
+    with kf.use_backend("triton"):
+        y = kf.gather_scatter(x, src, dst, 3)
+        grad = torch.ops.kernelforge.gather_scatter_backward(torch.ones(3, n_cols, device="cuda",
+                                                                        dtype=torch.bfloat16), src, dst, rows, "sum")
+    torch.testing.assert_close(y, reference.gather_scatter(x, src.long(), dst.long(), 3))
+    touched = torch.unique(src.long())
+    assert torch.equal(grad[touched].float(), degrees(src, rows)[touched.cpu()].to("cuda", torch.float32)[:, None]
+                       .expand(-1, n_cols))
+    assert grad.sum(dtype=torch.float32).item() == src.numel() * n_cols  # nothing written elsewhere
