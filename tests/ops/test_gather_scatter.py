@@ -287,7 +287,6 @@ def test_torch_compile_fullgraph(device):
     x = torch.randn(9, 4, device=device, requires_grad=True)
     w = torch.randn(4, 5, device=device, requires_grad=True)
     src, dst = make_edges(9, 7, 30, device)
-    src = src.clamp(max=6)  # the second aggregation gathers at src from the 7 nodes of h
     expected = layer(x, w, src, dst)
     gx, gw = torch.autograd.grad(expected, (x, w))
     got = compiled(x, w, src, dst)
