@@ -12,9 +12,11 @@ the residual where the widths match (not in the first layer unless node_features
 W_self and W_neigh are one weight over [h | AGG h], so each layer is one GEMM with the bias and
 the activation fused on the kernelforge levels, and the residual add is fused into the layer
 norm. Graph pooling (mean, sum or max over each graph's nodes) and a linear head give one row of
-logits per graph. The aggregation goes through the kernel set's gather_scatter (torch's
-index_select + index_add at every level: no fused kernel yet); pooling is index_add /
-scatter_reduce at every level.
+logits per graph. The aggregation goes through the kernel set's gather_scatter: torch's
+index_select + index_add_ at the native, torchscript and compile levels, kernelforge.gather_scatter
+on the kernelforge levels (one fused Triton kernel on a GPU, with float32 atomics: its sums' last
+bits vary from run to run unless torch.use_deterministic_algorithms is on, which runs the
+reference instead); pooling is index_add / scatter_reduce at every level.
 """
 from __future__ import annotations
 

@@ -4,7 +4,8 @@
     torchscript  the native computation traced by torch.jit.trace, once per input signature
     compile      the native computation under torch.compile (Inductor)
     triton       kernelforge ops on their Triton kernels (fused bias + activation GEMMs, fused
-                 residual add + norm, flash attention and flash-decoding, SwiGLU, cross-entropy)
+                 residual add + norm, flash attention and flash-decoding, SwiGLU, cross-entropy, the
+                 GNN's fused gather-scatter)
     cuda         kernelforge ops on their CUDA C++ kernels where kernelforge has them (GEMM,
                  norms, attention forward, activations); the measured choice for the rest
 
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from kernelforge import backends
+from kernelforge.reference.gather_scatter import gather_scatter as reference_gather_scatter
 
 LEVELS = ("native", "torchscript", "compile", "triton", "cuda")
 # "reference" is a sixth level outside the five: kernelforge's ops on their pure-PyTorch reference
@@ -144,19 +146,12 @@ class TorchKernels:
 
     def gather_scatter(self, x, src, dst, num_nodes: int, reduce: str):
         """Message passing's aggregation: out[i] = the sum (or mean) of x[src[e]] over the edges e
-        with dst[e] == i; (num_nodes, ...), zero where no edge arrives. Half types accumulate in
-        float32. Unfused, index_select writes the (E, ...) messages and index_add reads them back:
-        E * row * dtype bytes written and read again on top of the E rows gathered, the round trip
-        a fused gather-scatter kernel would save. Out-of-range indices raise from these ops."""
-        if reduce not in ("sum", "mean"):
-            raise ValueError(f"gather_scatter: reduce must be 'sum' or 'mean', got {reduce!r}")
-        acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-        out = x.new_zeros((num_nodes,) + tuple(x.shape[1:]), dtype=acc)
-        out.index_add_(0, dst, x.index_select(0, src).to(acc))
-        if reduce == "mean":  # in-degree clamped to 1: a node no edge reaches gets 0, not 0 / 0
-            degree = x.new_zeros(num_nodes, dtype=acc).index_add_(0, dst, x.new_ones(dst.shape[0], dtype=acc))
-            out = out / degree.clamp(min=1).view((num_nodes,) + (1,) * (x.dim() - 1))
-        return out.to(x.dtype)
+        with dst[e] == i; (num_nodes, ...), zero where no edge arrives. index_select + index_add_,
+        half types accumulated in float32: kernelforge's reference of the op (plain torch ops, which
+        torch.jit.trace and torch.compile see through; no kernelforge op runs at these levels).
+        Unfused, index_select writes the (E, ...) messages and index_add_ reads them back: the
+        round trip kernelforge's fused kernel saves. Out-of-range indices raise from these ops."""
+        return reference_gather_scatter(x, src, dst, num_nodes, reduce)
 
 
 class KernelforgeKernels:
@@ -212,9 +207,13 @@ class KernelforgeKernels:
         return kf.cross_entropy(logits, target)
 
     def gather_scatter(self, x, src, dst, num_nodes: int, reduce: str):
-        """TorchKernels' index_select + index_add: kernelforge has no fused gather-scatter kernel
-        (none written: whether one pays has not been measured on a GPU)."""
-        return TORCH_KERNELS.gather_scatter(x, src, dst, num_nodes, reduce)
+        """kernelforge.gather_scatter: on a GPU one Triton kernel gathers each message straight into
+        a float32 accumulator (no (E, ...) messages written and read back). Its atomics make the
+        sums' rounding vary from run to run; under torch.use_deterministic_algorithms(True) the
+        reference runs instead. The cuda level has no CUDA C++ kernel for it: Triton runs there too."""
+        import kernelforge as kf
+
+        return kf.gather_scatter(x, src, dst, num_nodes, reduce)
 
 
 TORCH_KERNELS = TorchKernels()

@@ -215,7 +215,7 @@ def test_triton_level_on_cpu_through_the_interpreter():
     with backends.recording() as ran, model.kernel_scope():  # the backward's ops on Triton too
         got = model(x, edge_index, batch)
         (got * weights).sum().backward()
-    assert {"gemm", "norms"} <= {op for op, _ in ran} and {b for _, b in ran} == {"triton"}, ran
+    assert {"gemm", "norms", "gather_scatter"} <= {op for op, _ in ran} and {b for _, b in ran} == {"triton"}, ran
     assert_close_to(got, oracle(model, x, edge_index, batch, 2)[0], "triton level")
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for (name, p), q in zip(model.named_parameters(), native.parameters()):

@@ -1,0 +1,244 @@
+"""gather_scatter (message passing's sum / mean aggregation): schemas, input checks, fake
+implementations, autograd, dispatch.
+
+    out = kernelforge.gather_scatter(x, src, dst, num_nodes, reduce="sum")
+    out[i] = sum over the edges e with dst[e] == i of x[src[e]]       (reduce="mean": / max(1, in-degree))
+
+x (N, ...) floating, rows are nodes (trailing dims are features, flattened to F for the kernels);
+src, dst (E,) int32 or int64 on x's device; out (num_nodes, ...) in x's dtype, 0 where no edge
+arrives. Definition: kernelforge/reference/gather_scatter.py. Gradients flow to x only:
+grad_x[src[e]] += grad_out[dst[e]] (/ in-degree of dst[e] for the mean), the same aggregation with
+src and dst swapped, which every backend runs through its forward kernel.
+
+Registered ops (each with a fake implementation and autograd):
+    kernelforge::gather_scatter(Tensor x, Tensor src, Tensor dst, int num_nodes, str reduce) -> Tensor
+    kernelforge::gather_scatter_backward(Tensor grad_output, Tensor src, Tensor dst, int num_rows,
+                                         str reduce) -> Tensor
+The backward is linear in grad_output and its own gradient is the forward op, so any order of
+derivatives works.
+
+Backends: registry "gather_scatter" (gather_scatter_rows, gather_scatter_backward_rows on
+(rows, F) views with unit feature stride): triton and reference. The Triton kernel adds with
+float32 atomics, so its sums round in a different order from run to run: while
+torch.use_deterministic_algorithms is on it is refused (a forced use_backend("triton") raises
+BackendUnsupportedError) and the reference, which torch runs deterministically, is chosen.
+Indices are not range-checked on the GPU: the reference raises from index_select / index_add_,
+the Triton kernel reads and writes out of bounds (undefined, as torch's CUDA index_add_); the GNN
+model (kernelforge.models.GraphNeuralNetwork) checks ranges on the host.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernelforge import backends
+from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, not_a_view
+from kernelforge.ops._common import plain_eager_call as _plain_eager_call
+from kernelforge.ops._common import require
+from kernelforge.reference.gather_scatter import REDUCTIONS
+
+OP = "gather_scatter"  # the backend registry's name
+NAME = "gather_scatter"  # what the messages call the public function
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+# ----------------------------------------------------------------------------- dispatch
+# The predicates look at x (grad_output in the backward) only; the rest of the op's arguments
+# are accepted so that kernelforge.explain("gather_scatter", x, src, dst, num_nodes) works.
+def _why_not_triton(x: torch.Tensor, src=None, dst=None, num_nodes=None, reduce: str = "sum"):
+    from kernelforge.triton import why_unavailable
+
+    if x.dtype not in GPU_FLOAT_DTYPES:
+        return f"Triton kernels take float32/float16/bfloat16, got {x.dtype}"
+    if torch.are_deterministic_algorithms_enabled():
+        return ("torch.use_deterministic_algorithms is on and the Triton kernel sums with float32 atomics, "
+                "whose order (and so the result's rounding) varies from run to run")
+    return why_unavailable(x.device)
+
+
+def _why_not_reference(x: torch.Tensor, src=None, dst=None, num_nodes=None, reduce: str = "sum"):
+    return None
+
+
+def _preference(x: torch.Tensor, src=None, dst=None, num_nodes=None, reduce: str = "sum"):
+    """Fastest-first backend order for these inputs."""
+    if x.device.type != "cuda":
+        return ("reference",), "the reference is the CPU implementation"
+    # Expected, not yet measured on our GPU (benchmarks/gather_scatter_bench.py measures it):
+    # Inductor's fused scatter of this pattern ran ~6x index_select + index_add_.
+    return ("triton", "reference"), (
+        "the Triton kernel gathers each message straight into a float32 accumulator, where "
+        "index_select + index_add_ write the (E, F) messages and read them back")
+
+
+def _choice_key(x: torch.Tensor, src=None, dst=None, num_nodes=None, reduce: str = "sum"):
+    # everything _preference and the _why_not_* predicates look at
+    return x.device.type, x.dtype, torch.are_deterministic_algorithms_enabled()
+
+
+backends.register(OP, "triton", "kernelforge.triton.gather_scatter", _why_not_triton)
+backends.register(OP, "reference", "kernelforge.reference.gather_scatter", _why_not_reference)
+backends.set_preference(OP, _preference, _choice_key)
+
+
+# ----------------------------------------------------------------------------- checks
+def _check_count(name: str, arg: str, n) -> None:
+    # the registered ops' schema says int; the public function may be handed anything
+    if isinstance(n, bool) or not isinstance(n, (int, torch.SymInt)):
+        raise TypeError(f"kernelforge.{name}: {arg} must be an int, got {type(n).__name__}")
+    require(n >= 0, lambda: f"kernelforge.{name}: {arg} must be non-negative, got {n}")
+
+
+def _check(name: str, values_arg: str, values: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, rows_arg: str,
+           rows, reduce: str) -> None:
+    """`values` is x (forward) or grad_output (backward); `rows` the output's row count."""
+    check_floating(name, values_arg, values, FLOAT_DTYPES)
+    if values.dim() == 0:
+        raise ValueError(f"kernelforge.{name}: {values_arg} must have at least 1 dim (one row per node), "
+                         "got a 0-dim tensor")
+    for arg, idx in (("src", src), ("dst", dst)):
+        if idx.dtype not in INDEX_DTYPES:
+            raise TypeError(f"kernelforge.{name}: {arg} must have dtype in (int32, int64), got {idx.dtype}")
+        if idx.dim() != 1:
+            raise ValueError(f"kernelforge.{name}: {arg} must be 1-D (one node id per edge), got shape "
+                             f"{tuple(idx.shape)}")
+    check_same(name, "device", (values_arg, "src", "dst"), (values.device, src.device, dst.device))
+    require(src.shape[0] == dst.shape[0],
+            lambda: f"kernelforge.{name}: expected src, dst to have the same length (one entry per edge), got "
+                    f"src: {src.shape[0]}, dst: {dst.shape[0]}")
+    _check_count(name, rows_arg, rows)
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"kernelforge.{name}: reduce must be 'sum' or 'mean', got {reduce!r}")
+
+
+def _check_forward(x, src, dst, num_nodes, reduce) -> None:
+    _check(NAME, "x", x, src, dst, "num_nodes", num_nodes, reduce)
+
+
+def _check_backward(grad_output, src, dst, num_rows, reduce) -> None:
+    _check(f"{NAME}_backward", "grad_output", grad_output, src, dst, "num_rows", num_rows, reduce)
+
+
+# ----------------------------------------------------------------------------- implementation
+def _rows_view(t: torch.Tensor) -> torch.Tensor:
+    """t (rows, ...) as (rows, F) with unit feature stride (a copy only when the layout needs one)."""
+    t2d = t.reshape(t.shape[0], math.prod(t.shape[1:]))
+    return t2d if t2d.shape[1] <= 1 or t2d.stride(1) == 1 else t2d.contiguous()
+
+
+def _launchers(t: torch.Tensor):
+    return backends.select(OP, t).implementation.launchers()
+
+
+def _forward(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, num_nodes: int, reduce: str) -> torch.Tensor:
+    """What the registered forward op computes (also called directly by the eager fast path)."""
+    _check_forward(x, src, dst, num_nodes, reduce)
+    y2d = _launchers(x).gather_scatter_rows(_rows_view(x), src, dst, num_nodes, reduce == "mean")
+    # not a view (ops._common.not_a_view): in-place ops on it work as on torch's outputs
+    return not_a_view(y2d.view((num_nodes,) + tuple(x.shape[1:])))
+
+
+def _backward(grad_output: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, num_rows: int,
+              reduce: str) -> torch.Tensor:
+    """What the registered backward op computes (also called by the eager fast path)."""
+    _check_backward(grad_output, src, dst, num_rows, reduce)
+    grad2d = _launchers(grad_output).gather_scatter_backward_rows(_rows_view(grad_output), src, dst, num_rows,
+                                                                 reduce == "mean")
+    return not_a_view(grad2d.view((num_rows,) + tuple(grad_output.shape[1:])))
+
+
+class _EagerAutograd(torch.autograd.Function):
+    """The registered op's autograd, without the dispatcher, for plain eager calls. Same
+    implementation, same saved tensors; a double backward (create_graph=True) goes through the
+    registered backward op, which carries its own gradient."""
+
+    @staticmethod
+    def forward(ctx, x, src, dst, num_nodes: int, reduce: str):
+        y = _forward(x, src, dst, num_nodes, reduce)
+        ctx.save_for_backward(src, dst)
+        ctx.num_rows, ctx.reduce = x.shape[0], reduce
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        src, dst = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            grad = torch.ops.kernelforge.gather_scatter_backward(grad_output, src, dst, ctx.num_rows, ctx.reduce)
+        else:
+            grad = _backward(grad_output, src, dst, ctx.num_rows, ctx.reduce)
+        return grad, None, None, None, None
+
+
+# ----------------------------------------------------------------------------- registration
+@torch.library.custom_op("kernelforge::gather_scatter_backward", mutates_args=())
+def gather_scatter_backward_op(grad_output: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, num_rows: int,
+                               reduce: str) -> torch.Tensor:
+    return _backward(grad_output, src, dst, num_rows, reduce)
+
+
+@gather_scatter_backward_op.register_fake
+def _(grad_output, src, dst, num_rows, reduce):
+    _check_backward(grad_output, src, dst, num_rows, reduce)
+    return grad_output.new_empty((num_rows,) + tuple(grad_output.shape[1:]))
+
+
+def _setup_backward_context(ctx, inputs, output):
+    grad_output, src, dst, num_rows, reduce = inputs
+    ctx.save_for_backward(src, dst)
+    ctx.num_nodes, ctx.reduce = grad_output.shape[0], reduce
+
+
+def _double_backward(ctx, grad_grad_x):
+    """The backward is linear in grad_output, grad_x = A^T D g (A the (num_nodes, N) edge-count
+    matrix, D the inverse in-degrees for the mean, else I); its gradient is D A v: the forward."""
+    src, dst = ctx.saved_tensors
+    return gather_scatter_op(grad_grad_x, src, dst, ctx.num_nodes, ctx.reduce), None, None, None, None
+
+
+gather_scatter_backward_op.register_autograd(_double_backward, setup_context=_setup_backward_context)
+
+
+@torch.library.custom_op("kernelforge::gather_scatter", mutates_args=())
+def gather_scatter_op(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, num_nodes: int,
+                      reduce: str) -> torch.Tensor:
+    return _forward(x, src, dst, num_nodes, reduce)
+
+
+@gather_scatter_op.register_fake
+def _(x, src, dst, num_nodes, reduce):
+    _check_forward(x, src, dst, num_nodes, reduce)
+    return x.new_empty((num_nodes,) + tuple(x.shape[1:]))
+
+
+def _setup_context(ctx, inputs, output):
+    x, src, dst, num_nodes, reduce = inputs
+    ctx.save_for_backward(src, dst)
+    ctx.num_rows, ctx.reduce = x.shape[0], reduce
+
+
+def _grad(ctx, grad_output):
+    src, dst = ctx.saved_tensors
+    return gather_scatter_backward_op(grad_output, src, dst, ctx.num_rows, ctx.reduce), None, None, None, None
+
+
+gather_scatter_op.register_autograd(_grad, setup_context=_setup_context)
+
+
+def gather_scatter(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, num_nodes: int,
+                   reduce: str = "sum") -> torch.Tensor:
+    """Message passing's aggregation: out[i] = the sum (reduce="sum") or mean (reduce="mean") of
+    x[src[e]] over the edges e with dst[e] == i, (num_nodes, *x.shape[1:]) in x's dtype, 0 where no
+    edge arrives (the mean divides by the in-degree clamped to 1). Half types accumulate in
+    float32 and round once. x (N, ...) float32 / float16 / bfloat16 / float64; src, dst (E,) int32
+    or int64 node ids on x's device, not range-checked on the GPU (an out-of-range id there is
+    undefined behaviour; the CPU reference raises). Differentiable in x; works under
+    torch.compile. On a GPU it runs a fused Triton kernel whose float32 atomics make the result's
+    last bits vary from run to run; with torch.use_deterministic_algorithms(True) the
+    deterministic reference (index_select + index_add_) runs instead."""
+    _check_count(NAME, "num_nodes", num_nodes)  # before the dispatcher's own, vaguer, type error
+    if _plain_eager_call(x, src, dst):
+        if x.requires_grad and torch.is_grad_enabled():
+            return _EagerAutograd.apply(x, src, dst, num_nodes, reduce)
+        return _forward(x, src, dst, num_nodes, reduce)
+    return torch.ops.kernelforge.gather_scatter(x, src, dst, num_nodes, reduce)
