@@ -30,4 +30,5 @@ __all__ = ["BackendUnsupportedError", "BlockMask", "add_layer_norm", "add_rms_no
            "convrnn", "convrnn_forward", "cpu_fused_attention", "cross_entropy", "dilated_block_mask", "explain",
            "flash_attention", "gather_scatter", "geglu", "gelu", "gemm", "gpu_kernel", "layer_norm",
            "local_global_block_mask", "log_softmax", "nn", "optimized_cpu_attention", "patch", "precision",
-           "prefer_backend", "relu", "rms_norm", "silu", "sliding_window_block_mask", "softmax", "swiglu", "use_backend"]
+           "prefer_backend", "relu", "rms_norm", "silu", "sliding_window_block_mask", "softmax", "swiglu",
+           "use_backend"]
