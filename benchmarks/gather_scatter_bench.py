@@ -44,7 +44,11 @@ TINY_GRAPH = (4, 50, 4)
 FEATURES = (128, 256)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 REDUCES = ("sum", "mean")
-TOLERANCE = {torch.bfloat16: 8e-3, torch.float32: 2e-5}  # of max |reference|: 1 bf16 ulp; float32 order
+# A guard against gross errors, of max |reference| (the tests hold the real accuracy bounds): bf16 takes
+# 3e-2 because the eager reference's own backward (index_select's) adds the E gathered gradients
+# with bf16 atomics, several roundings an element in a run-dependent order: two eager runs differed by
+# 1.2e-2 on the H200. float32: summation order only.
+TOLERANCE = {torch.bfloat16: 3e-2, torch.float32: 2e-5}
 
 
 def forced_triton(x, src, dst, num_nodes, reduce):

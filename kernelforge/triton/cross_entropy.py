@@ -24,59 +24,40 @@ import triton
 import triton.language as tl
 
 from kernelforge.triton import interpreter_enabled
-from kernelforge.triton._launch import launch, next_power_of_2, on_device, warps_for
+from kernelforge.triton._launch import launch, next_power_of_2, on_device
 from kernelforge.triton.softmax import LOG2E, _log
 
-# Elements of a row one step of the walk holds. 4096 (16 KB of bf16) with 8 warps is 16 values a
-# thread: enough loads in flight to stream the row, few registers.
+# Elements of a row one step of the walk holds at most (16 KB of bf16): 8192 measured no faster.
 BLOCK_CLASSES = 4096
 
 
 @triton.jit
 def cross_entropy_forward_kernel(
     LOGITS, TARGET, LOSS, LSE, n_classes, row_stride, ignore_index, label_smoothing,
-    BLOCK: tl.constexpr, SMOOTHING: tl.constexpr, PRECISE: tl.constexpr, LANES: tl.constexpr,
-    STAGES: tl.constexpr,
+    BLOCK: tl.constexpr, SMOOTHING: tl.constexpr, PRECISE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     base = LOGITS + row * row_stride
     cols = tl.arange(0, BLOCK)
     target = tl.load(TARGET + row).to(tl.int64)
     ignored = target == ignore_index
+    # The row's running max and sum: one exp2 an element (the max moves by whole blocks). Keeping a
+    # max and sum per lane instead (no reduction inside the walk, two exp2 an element) measured
+    # slower at every shape of benchmarks/cross_entropy_sweep.py, and so did pipelining stages.
+    running_max = tl.full((), float("-inf"), tl.float32)
+    running_sum = tl.zeros((), tl.float32)
     row_total = tl.zeros((BLOCK,), tl.float32)
-    if LANES:
-        # Each lane keeps its own running max and sum: no reduction across the program inside the
-        # walk (whose barriers stall the next loads), two exp2 an element, lanes merged once at the end.
-        lane_max = tl.full((BLOCK,), float("-inf"), tl.float32)
-        lane_sum = tl.zeros((BLOCK,), tl.float32)
-        for start in tl.range(0, n_classes, BLOCK, num_stages=STAGES):
-            mask = start + cols < n_classes
-            x = tl.load(base + start + cols, mask=mask, other=float("-inf"), eviction_policy="evict_first")
-            x = x.to(tl.float32)
-            new_max = tl.maximum(lane_max, x)
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # an all -inf lane: shift by 0, not -inf
-            lane_sum = lane_sum * tl.exp2((lane_max - shift) * LOG2E) + tl.exp2((x - shift) * LOG2E)
-            lane_max = new_max
-            if SMOOTHING:
-                row_total += tl.where(mask, x, 0.0)
-        running_max = tl.max(lane_max, axis=0)
-        shift = tl.where(running_max == float("-inf"), 0.0, running_max)
-        running_sum = tl.sum(lane_sum * tl.exp2((lane_max - shift) * LOG2E), axis=0)
-    else:
-        # The row's running max and sum: one exp2 an element (the max moves by whole blocks).
-        running_max = tl.full((), float("-inf"), tl.float32)
-        running_sum = tl.zeros((), tl.float32)
-        for start in tl.range(0, n_classes, BLOCK, num_stages=STAGES):
-            mask = start + cols < n_classes
-            x = tl.load(base + start + cols, mask=mask, other=float("-inf"), eviction_policy="evict_first")
-            x = x.to(tl.float32)
-            new_max = tl.maximum(running_max, tl.max(x, axis=0))
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-            running_sum = running_sum * tl.exp2((running_max - shift) * LOG2E) + tl.sum(
-                tl.exp2((x - shift) * LOG2E), 0)
-            running_max = new_max
-            if SMOOTHING:
-                row_total += tl.where(mask, x, 0.0)
+    for start in range(0, n_classes, BLOCK):
+        mask = start + cols < n_classes
+        x = tl.load(base + start + cols, mask=mask, other=float("-inf"), eviction_policy="evict_first")
+        x = x.to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(x, axis=0))
+        # a row of -inf so far keeps new_max -inf: shift by 0 then, not by -inf (NaN)
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        running_sum = running_sum * tl.exp2((running_max - shift) * LOG2E) + tl.sum(tl.exp2((x - shift) * LOG2E), 0)
+        running_max = new_max
+        if SMOOTHING:
+            row_total += tl.where(mask, x, 0.0)
     lse = running_max + _log(running_sum, PRECISE)
     in_range = (target >= 0) & (target < n_classes)
     target_logit = tl.load(base + target, mask=in_range & ~ignored, other=0.0).to(tl.float32)
@@ -114,26 +95,23 @@ def cross_entropy_backward_kernel(
         tl.store(out + idx, (grad * scale).to(GRAD.dtype.element_ty), mask=mask, cache_modifier=".cs")
 
 
-def _block(n_classes: int) -> tuple[int, int]:
-    block = min(BLOCK_CLASSES, max(16, next_power_of_2(n_classes)))
-    return block, warps_for(block * 8)  # ~4 values a thread for short rows, 16 for a full block
-
-
 @dataclass(frozen=True)
-class ForwardConfig:
-    block: int
+class LaunchConfig:
+    block: int  # elements of a row one step of the walk holds
     num_warps: int
-    lanes: bool  # lane-wise running max and sum (else one per program, reduced every block)
-    stages: int  # software-pipelining depth of the walk's loads
 
 
-def default_forward_config(n_classes: int) -> ForwardConfig:
-    block, warps = _block(n_classes)
-    return ForwardConfig(block, warps, False, 1)
+def default_config(n_classes: int, backward: bool = False) -> LaunchConfig:
+    """The H200 sweep's best or within 3% of it (benchmarks/cross_entropy_sweep.py, bf16, 256 to
+    128256 classes): forward 4 warps on blocks of up to 4096 (4.06-4.09 TB/s of logits read at 32000
+    and 128256 classes; 32 warps reached 1.3 TB/s); backward 16 warps on a 4096 block (3.9 TB/s read
+    + write), 4 on short rows (256 classes: 4 warps 18 us, 32 warps 86 us)."""
+    block = min(BLOCK_CLASSES, max(16, next_power_of_2(n_classes)))
+    return LaunchConfig(block, max(4, block // 256) if backward else 4)
 
 
 def cross_entropy_forward_rows(logits2d: torch.Tensor, target: torch.Tensor, ignore_index: int,
-                               label_smoothing: float, config: Optional[ForwardConfig] = None,
+                               label_smoothing: float, config: Optional[LaunchConfig] = None,
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-row loss, per-row lse), (rows,) float32 each, of logits2d (unit column stride)."""
     rows, n_classes = logits2d.shape
@@ -141,26 +119,26 @@ def cross_entropy_forward_rows(logits2d: torch.Tensor, target: torch.Tensor, ign
     lse = torch.empty(rows, dtype=torch.float32, device=logits2d.device)
     if rows == 0:
         return loss, lse
-    cfg = config or default_forward_config(n_classes)
+    cfg = config or default_config(n_classes)
     with on_device(logits2d):
         launch(cross_entropy_forward_kernel, (rows,), logits2d, target, loss, lse, n_classes, logits2d.stride(0),
                ignore_index, float(label_smoothing), BLOCK=cfg.block, SMOOTHING=label_smoothing != 0,
-               PRECISE=not interpreter_enabled(), LANES=cfg.lanes, STAGES=cfg.stages, num_warps=cfg.num_warps)
+               PRECISE=not interpreter_enabled(), num_warps=cfg.num_warps)
     return loss, lse
 
 
 def cross_entropy_backward_rows(grad_loss: torch.Tensor, logits2d: torch.Tensor, target: torch.Tensor,
                                 lse: torch.Tensor, ignore_index: int, label_smoothing: float,
-                                config: Optional[tuple[int, int]] = None) -> torch.Tensor:
+                                config: Optional[LaunchConfig] = None) -> torch.Tensor:
     """The logits' gradient, (rows, classes) dense in their dtype; grad_loss (rows,) may have stride
     0 (the mean's scalar gradient, expanded)."""
     rows, n_classes = logits2d.shape
     grad = torch.empty((rows, n_classes), dtype=logits2d.dtype, device=logits2d.device)
     if grad.numel() == 0:
         return grad
-    block, warps = config or _block(n_classes)
+    cfg = config or default_config(n_classes, backward=True)
     with on_device(logits2d):
         launch(cross_entropy_backward_kernel, (rows,), grad_loss, grad_loss.stride(0), logits2d, target, lse, grad,
                n_classes, logits2d.stride(0), grad.stride(0), ignore_index, float(label_smoothing),
-               BLOCK=block, num_warps=warps)
+               BLOCK=cfg.block, num_warps=cfg.num_warps)
     return grad

@@ -136,7 +136,7 @@ def test_target_out_of_range_is_nan(backend, device):
     assert loss[bad].isnan().all() and not loss[~bad].isnan().any()
     assert x.grad[bad].isnan().all() and not x.grad[~bad].isnan().any()
     good = F.cross_entropy(logits[~bad].double(), target[~bad], reduction="none")
-    torch.testing.assert_close(loss[~bad].double(), good)
+    torch.testing.assert_close(loss[~bad].double(), good, rtol=1e-5, atol=1e-6)  # float32 losses
 
 
 def op_samples(device):
