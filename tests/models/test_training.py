@@ -35,6 +35,12 @@ def test_kernelforge_levels_train_like_pytorch_in_bf16_on_gpu():
     assert native[-20:].mean() < 0.5 * native[0]
     for level in ("triton", "cuda"):
         curve = curves[level]
-        # bf16 rounding differs from the first step; the curves must stay together, early and late
+        # bf16 rounding differs from the first step. Early, the curves stay together (a wrong gradient
+        # parts them within a few steps: measured gaps there are under 1e-3). Late, bf16 runs drift
+        # apart chaotically at this learning rate: over seeds 0-3 the mean of the last 50 steps moved by
+        # up to 0.145 between native with torch's loss and native with kernelforge's (whose gradients
+        # agree with torch's within bf16 rounding at every step; benchmarks/training_curve_probe.py,
+        # benchmarks/cross_entropy_step_probe.py, results in benchmarks/results/nvidia-h200/models/).
         assert (curve[:20] - native[:20]).abs().max() < 0.05, level
-        assert abs(curve[-50:].mean() - native[-50:].mean()) < 0.05, level
+        assert curve[-20:].mean() < 0.5 * curve[0], level  # and it learns as native does
+        assert abs(curve[-50:].mean() - native[-50:].mean()) < 0.25, level
