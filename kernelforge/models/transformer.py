@@ -90,10 +90,12 @@ class SelfAttention(Component):
         self.proj = Linear(cfg.dim, cfg.dim, cfg.bias)
 
     def _heads(self, x):
-        """(B, T, C) -> q, k, v each (B, H, T, D): strided views of the one QKV GEMM's output."""
+        """(B, T, C) -> q, k, v each (B, H, T, D): strided views of the one QKV GEMM's output.
+        unbind, not qkv[0], qkv[1], qkv[2]: the backward of three selects is three zero-filled
+        (B, T, 3C) buffers, a copy into each and two adds of them; unbind's is one stack of the three
+        gradients (one kernel, reading each gradient once)."""
         b, t, _ = x.shape
-        qkv = self.qkv(x).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        return qkv[0], qkv[1], qkv[2]
+        return self.qkv(x).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
 
     def _merge(self, y):  # (B, H, T, D) -> (B, T, C) -> output projection
         b, _, t, _ = y.shape
