@@ -333,13 +333,20 @@ def _activation_grad(grad_out, preact, bias, activation: str, need_bias: bool):
     return torch.ops.kernelforge.activation_backward(grad_out, preact, bias, activation), None
 
 
-def _weight_grad(a, dz, b_shape, compute, dtype):
-    """dB = a^T dz summed to b's shape; a b without batch dims gets one GEMM over all rows."""
-    if len(b_shape) == 2:
+def _weight_grad(a, dz, b, compute, dtype):
+    """dB = a^T dz summed to b's shape; a b without batch dims gets one GEMM over all rows, in b's
+    layout: for b = W.t() (a Linear's weight read transposed in place) as (dz^T a)^T, so W's gradient
+    comes out in W's own layout. Autograd copies a parameter's gradient into the parameter's layout
+    when it arrives in another (AccumulateGrad's layout contract): a strided copy of every weight's
+    gradient, on every step."""
+    if b.dim() == 2:
         K, N = a.shape[-1], dz.shape[-1]
         a_rows = a.expand(*dz.shape[:-1], K).reshape(-1, K)
-        return _matmul(a_rows.transpose(0, 1), dz.reshape(-1, N), compute, dtype)
-    return _sum_to(_matmul(a.transpose(-1, -2), dz, compute, dtype), b_shape)
+        dz_rows = dz.reshape(-1, N)
+        if b.stride(0) == 1 and b.stride(1) != 1 and K > 1:  # b = W.t(): compute W's gradient (N, K)
+            return _matmul(dz_rows.transpose(0, 1), a_rows, compute, dtype).transpose(0, 1)
+        return _matmul(a_rows.transpose(0, 1), dz_rows, compute, dtype)
+    return _sum_to(_matmul(a.transpose(-1, -2), dz, compute, dtype), b.shape)
 
 
 def _gemm_backward(saved, options, needs, grad_out):
@@ -363,7 +370,7 @@ def _gemm_backward(saved, options, needs, grad_out):
     else:
         dz, grad_bias = _activation_grad(grad_out, preact, bias, activation, bias is not None and need_bias)
     grad_a = _sum_to(_matmul(dz, b.transpose(-1, -2), compute, a.dtype), a.shape) if need_a else None
-    grad_b = _weight_grad(a, dz, b.shape, compute, b.dtype) if need_b else None
+    grad_b = _weight_grad(a, dz, b, compute, b.dtype) if need_b else None
     grad_residual = None
     if need_residual:
         shape, dtype = residual_meta

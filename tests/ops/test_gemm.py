@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import kernelforge as kf
 from kernelforge.ops import gemm as gemm_ops
 from kernelforge.reference import gemm as reference
-from tests.conftest import backend_cases
+from tests.conftest import backend_cases, device_cases
 from tests.numerics import assert_compiled_matches_eager, assert_matches_oracle, same_layout
 
 GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -439,3 +439,21 @@ def test_triton_refuses_float64(backend, device):
     a = torch.randn(3, 4, dtype=torch.float64, device=device)
     with kf.use_backend("triton"), pytest.raises(kf.BackendUnsupportedError, match="computes in"):
         kf.gemm(a, a.t())
+
+
+@pytest.mark.parametrize("device", device_cases())
+def test_transposed_weight_gets_its_gradient_in_the_weights_layout(device):
+    """b = W.t() (a Linear's weight read in place): the gradient autograd hands to W.t() is W's
+    gradient transposed in place, so W's arrives dense in W's layout and AccumulateGrad need not copy
+    it (it copies a gradient whose strides differ from the parameter's)."""
+    w = torch.randn(24, 40, device=device)
+    x = torch.randn(3, 7, 40, device=device)
+    seen = []
+    w_t = w.clone().requires_grad_()
+    view = w_t.t()
+    view.register_hook(lambda g: seen.append(g.stride()))
+    kf.gemm(x, view, activation="gelu").sum().backward()
+    assert seen == [(1, 40)] and w_t.grad.stride() == (40, 1)
+    expected = w.clone().requires_grad_()
+    torch.nn.functional.gelu(torch.nn.functional.linear(x, expected)).sum().backward()
+    torch.testing.assert_close(w_t.grad, expected.grad, rtol=1e-4, atol=1e-4)
