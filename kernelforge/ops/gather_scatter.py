@@ -171,58 +171,45 @@ class _EagerAutograd(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- registration
-@torch.library.custom_op("kernelforge::gather_scatter_backward", mutates_args=())
-def gather_scatter_backward_op(grad_output: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, num_rows: int,
-                               reduce: str) -> torch.Tensor:
-    return _backward(grad_output, src, dst, num_rows, reduce)
+def _define(name: str, schema: str, implementation, check):
+    """kernelforge::<name>(t, src, dst, rows, reduce) -> (rows, *t.shape[1:]) in t's dtype, with its fake.
+    The forward and the backward op have this one shape: each is the aggregation from one side."""
+    op = torch.library.custom_op(f"kernelforge::{name}", implementation, mutates_args=(), schema=schema)
+
+    @op.register_fake
+    def _(t, src, dst, rows, reduce):
+        check(t, src, dst, rows, reduce)
+        return t.new_empty((rows,) + tuple(t.shape[1:]))
+
+    return op
 
 
-@gather_scatter_backward_op.register_fake
-def _(grad_output, src, dst, num_rows, reduce):
-    _check_backward(grad_output, src, dst, num_rows, reduce)
-    return grad_output.new_empty((num_rows,) + tuple(grad_output.shape[1:]))
-
-
-def _setup_backward_context(ctx, inputs, output):
-    grad_output, src, dst, num_rows, reduce = inputs
-    ctx.save_for_backward(src, dst)
-    ctx.num_nodes, ctx.reduce = grad_output.shape[0], reduce
-
-
-def _double_backward(ctx, grad_grad_x):
-    """The backward is linear in grad_output, grad_x = A^T D g (A the (num_nodes, N) edge-count
-    matrix, D the inverse in-degrees for the mean, else I); its gradient is D A v: the forward."""
-    src, dst = ctx.saved_tensors
-    return gather_scatter_op(grad_grad_x, src, dst, ctx.num_nodes, ctx.reduce), None, None, None, None
-
-
-gather_scatter_backward_op.register_autograd(_double_backward, setup_context=_setup_backward_context)
-
-
-@torch.library.custom_op("kernelforge::gather_scatter", mutates_args=())
-def gather_scatter_op(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, num_nodes: int,
-                      reduce: str) -> torch.Tensor:
-    return _forward(x, src, dst, num_nodes, reduce)
-
-
-@gather_scatter_op.register_fake
-def _(x, src, dst, num_nodes, reduce):
-    _check_forward(x, src, dst, num_nodes, reduce)
-    return x.new_empty((num_nodes,) + tuple(x.shape[1:]))
+gather_scatter_op = _define("gather_scatter", "(Tensor x, Tensor src, Tensor dst, int num_nodes, str reduce) -> Tensor",
+                            _forward, _check_forward)
+gather_scatter_backward_op = _define(
+    "gather_scatter_backward", "(Tensor grad_output, Tensor src, Tensor dst, int num_rows, str reduce) -> Tensor",
+    _backward, _check_backward)
 
 
 def _setup_context(ctx, inputs, output):
-    x, src, dst, num_nodes, reduce = inputs
+    t, src, dst, _, reduce = inputs
     ctx.save_for_backward(src, dst)
-    ctx.num_rows, ctx.reduce = x.shape[0], reduce
+    ctx.input_rows, ctx.reduce = t.shape[0], reduce
 
 
-def _grad(ctx, grad_output):
-    src, dst = ctx.saved_tensors
-    return gather_scatter_backward_op(grad_output, src, dst, ctx.num_rows, ctx.reduce), None, None, None, None
+def _gradient_by(op):
+    """Either op's gradient is the other op, back to the input's rows: the forward is out = D A x (A the
+    (num_nodes, N) edge-count matrix, D the inverse in-degrees for the mean, else I), the backward
+    A^T D g, and each is linear in its tensor, so any order of derivatives works."""
+    def grad(ctx, grad_output):
+        src, dst = ctx.saved_tensors
+        return op(grad_output, src, dst, ctx.input_rows, ctx.reduce), None, None, None, None
+
+    return grad
 
 
-gather_scatter_op.register_autograd(_grad, setup_context=_setup_context)
+gather_scatter_op.register_autograd(_gradient_by(gather_scatter_backward_op), setup_context=_setup_context)
+gather_scatter_backward_op.register_autograd(_gradient_by(gather_scatter_op), setup_context=_setup_context)
 
 
 def gather_scatter(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, num_nodes: int,

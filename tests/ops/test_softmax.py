@@ -7,6 +7,7 @@ import kernelforge as kf
 from kernelforge import reference
 from tests.conftest import HAS_CUDA, backend_cases
 from tests.numerics import assert_matches_oracle, same_layout
+from tests.op_paths import assert_eager_path_equals_registered_op
 
 FUNCS = {"softmax": (kf.softmax, torch.softmax), "log_softmax": (kf.log_softmax, torch.log_softmax)}
 GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -248,15 +249,7 @@ def test_eager_fast_path_equals_registered_op(name):
     op = getattr(torch.ops.kernelforge, name)
     x = torch.randn(6, 5, 7).transpose(0, 2)
     assert _plain_eager_call(x) and _plain_eager_call(x.detach().requires_grad_())
-    fast, via_op = FUNCS[name][0](x, 1), op(x, 1)
-    assert torch.equal(fast, via_op) and fast.stride() == via_op.stride()
-    xa, xb = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
-    ya, yb = FUNCS[name][0](xa, 1), op(xb, 1)
-    assert type(ya.grad_fn).__name__ == "_EagerAutogradBackward"
-    g = torch.randn_like(ya)
-    ya.backward(g)
-    yb.backward(g)
-    assert torch.equal(xa.grad, xb.grad)
+    fast = assert_eager_path_equals_registered_op(lambda t: FUNCS[name][0](t, 1), lambda t: op(t, 1), x)
     with torch._subclasses.FakeTensorMode() as mode:
         fake = mode.from_tensor(x)
         assert not _plain_eager_call(fake)
