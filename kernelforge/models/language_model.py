@@ -81,13 +81,14 @@ class LanguageModel(LevelledModel):
 
     def loss(self, ids):
         """Next-token cross-entropy of ids (B, T): the logits of ids[:, :-1] against ids[:, 1:], the mean
-        over B * (T - 1) targets, float32. The loss runs at the model's level with the rest: torch.compile
-        compiles it into the model's graph, the kernelforge levels run kernelforge.cross_entropy on the
-        logits in their dtype (the torch levels take torch's float32 recipe, F.cross_entropy(logits.float()))."""
+        over B * (T - 1) targets, float32 (float64 for a float64 model). The loss runs at the model's
+        level with the rest: torch.compile compiles it into the model's graph, the kernelforge levels
+        run kernelforge.cross_entropy on the logits in their dtype (the torch levels take torch's
+        recipe, F.cross_entropy on a float32 copy of half-precision logits)."""
         return self.run("compute_loss", ids)
 
     def compute_loss(self, ids):
-        """ids (B, T) -> the mean next-token loss (a float32 scalar)."""
+        """ids (B, T) -> the mean next-token loss (a scalar, float32 or wider)."""
         logits = self.compute(ids[:, :-1])  # (B, T - 1, vocab)
         return self.kernels.ops.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
 

@@ -140,9 +140,11 @@ class TorchKernels:
         return F.silu(gate) * up
 
     def cross_entropy(self, logits, target):
-        """Mean loss of (N, C) logits against (N,) classes, float32: torch's recipe for half-precision
-        logits, a float32 copy of them first (and log-softmax's float32 output kept for the backward)."""
-        return F.cross_entropy(logits.float(), target)
+        """Mean loss of (N, C) logits against (N,) classes, at least float32: torch's recipe for
+        half-precision logits, a float32 copy of them first (and log-softmax's float32 output kept for
+        the backward); float32 and float64 logits as they are."""
+        half = logits.dtype in (torch.float16, torch.bfloat16)
+        return F.cross_entropy(logits.float() if half else logits, target)
 
     def gather_scatter(self, x, src, dst, num_nodes: int, reduce: str):
         """Message passing's aggregation: out[i] = the sum (or mean) of x[src[e]] over the edges e

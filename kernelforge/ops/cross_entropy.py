@@ -224,6 +224,8 @@ def _as_rows(logits: torch.Tensor, target: torch.Tensor):
                          f"{tuple(logits.shape)} (classes along dim 1), got {tuple(target.shape)}")
     if logits.dim() == 2:
         return logits, target
+    require(logits.shape[1] >= 1, lambda: f"kernelforge.{NAME}: logits need at least one class, got "
+                                          f"shape {tuple(logits.shape)}")
     return logits.movedim(1, -1).reshape(-1, logits.shape[1]), target.reshape(-1)
 
 

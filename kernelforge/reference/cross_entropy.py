@@ -26,6 +26,7 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _target_masks(target: torch.Tensor, n_classes: int, ignore_index: int):
+    target = target.long()  # an int32 target against an ignore_index beyond int32 must not wrap it
     ignored = target == ignore_index
     bad = ~ignored & ((target < 0) | (target >= n_classes))
     return ignored, bad, torch.where(ignored | bad, 0, target).long()  # a safe index for gather

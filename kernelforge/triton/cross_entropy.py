@@ -2,7 +2,7 @@
 
 Forward, one program a row: one walk over the row's logits keeps a running max and a rescaled
 running sum of exponentials (and the row's sum for label smoothing), then reads the target's
-logit. Bytes: the logits once (rows * C * elt), 12 bytes a row (target, loss, lse). FLOPs: an
+logit. Bytes: the logits once (rows * C * elt), 16 bytes a row (an int64 target, loss, lse). FLOPs: an
 exp2 and ~4 others an element. The logits stay in their dtype: no float32 copy of them is made
 (the usual `F.cross_entropy(logits.float(), t)` writes and re-reads one of twice their size, and
 keeps log-softmax's float32 output for the backward).

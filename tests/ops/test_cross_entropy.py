@@ -38,7 +38,7 @@ def torch_losses(logits, target, smoothing):
     return out
 
 
-SHAPES = [(1, 1), (4, 7), (199, 1000), (3, 4097), (2, 32000)]
+SHAPES = [(1, 1), (3, 1), (4, 7), (199, 1000), (3, 4097), (2, 32000)]  # row 0 is ignored: (3, 1) has two that are not
 
 
 @pytest.mark.parametrize("backend,device", backend_cases(BACKENDS))
@@ -110,7 +110,9 @@ def test_torch_layouts_and_strides(backend, device):
     cases.append((x, torch.randint(0, 56, (4,), device=device, dtype=torch.int32)))
     for logits, target in cases:
         for reduction in ("none", "mean"):
-            ours_x, x64 = logits.clone().requires_grad_(), logits.double().requires_grad_()
+            # detach() keeps the strides (clone() of a strided tensor is dense)
+            ours_x, x64 = logits.detach().requires_grad_(), logits.double().requires_grad_()
+            assert ours_x.stride() == logits.stride()
             with kf.use_backend(backend):
                 ours = kf.cross_entropy(ours_x, target, reduction=reduction)
                 ours.sum().backward()
@@ -197,6 +199,17 @@ def test_torch_compile_fullgraph(device):
     assert_compiled_matches_eager(lm_head_loss, torch.compile(lm_head_loss, fullgraph=True), (h, w))
 
 
+@pytest.mark.parametrize("backend,device", backend_cases(BACKENDS))
+def test_int32_targets_with_an_ignore_index_beyond_int32(backend, device):
+    """ignore_index 2**32 matches no int32 target (compared as int64, not wrapped to 0)."""
+    logits = torch.randn(3, 4, device=device)
+    target = torch.tensor([0, 1, 2], device=device, dtype=torch.int32)
+    with kf.use_backend(backend):
+        ours = kf.cross_entropy(logits, target, ignore_index=2**32, reduction="none")
+    torch.testing.assert_close(ours.double(), F.cross_entropy(logits.double(), target.long(), reduction="none"),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_module_matches_function():
     logits, target = random_case(7, 20, torch.float32, "cpu")
     module = kf.nn.CrossEntropyLoss(ignore_index=-100, reduction="sum", label_smoothing=0.1)
@@ -246,6 +259,8 @@ def test_bad_input_errors():
         kf.cross_entropy(x, t, label_smoothing=1.5)
     with pytest.raises(RuntimeError, match="at least one class"):
         kf.cross_entropy(torch.randn(4, 0), t)
+    with pytest.raises(RuntimeError, match="at least one class"):
+        kf.cross_entropy(torch.randn(4, 0, 3), torch.zeros(4, 3, dtype=torch.long))
     with pytest.raises(ValueError, match=r"logits must be \(rows, classes\)"):
         torch.ops.kernelforge.cross_entropy(torch.randn(2, 3, 4), t, -100, 0.0)
     with pytest.raises(RuntimeError, match="grad_loss must be"):
