@@ -21,6 +21,8 @@ import torch
 from kernelforge import backends
 from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, require
 from kernelforge.ops._common import plain_eager_call as _plain_eager_call
+from kernelforge.reference._accumulation import accumulation_dtype
+from kernelforge.reference.cross_entropy import target_masks
 
 OP = "cross_entropy"
 NAME = "cross_entropy"
@@ -59,10 +61,6 @@ backends.set_preference(OP, _preference, _choice_key)
 
 
 # ----------------------------------------------------------------------------- checks
-def _loss_dtype(logits: torch.Tensor) -> torch.dtype:
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
-
-
 def _check_rows(name: str, logits: torch.Tensor, target: torch.Tensor, label_smoothing: float) -> None:
     check_floating(name, "logits", logits, FLOAT_DTYPES)
     if logits.dim() != 2:
@@ -87,7 +85,7 @@ def _check_backward(grad_loss: torch.Tensor, logits: torch.Tensor, target: torch
     _check_rows(name, logits, target, label_smoothing)
     rows = (logits.shape[0],)
     for arg, t in (("grad_loss", grad_loss), ("lse", lse)):
-        check_floating(name, arg, t, (_loss_dtype(logits),))
+        check_floating(name, arg, t, (accumulation_dtype(logits.dtype),))
         require(tuple(t.shape) == rows, lambda: f"kernelforge.{name}: {arg} must be (rows,) = {rows}, got shape "
                                                 f"{tuple(t.shape)}")
     check_same(name, "device", ("grad_loss", "logits", "lse"), (grad_loss.device, logits.device, lse.device))
@@ -142,13 +140,11 @@ def _double_backward(ctx, grad_grad):
     lse gets none: it is a function of the logits, and dx above already differentiates through it."""
     grad_loss, logits, target = ctx.saved_tensors
     eps, n_classes = ctx.label_smoothing, logits.shape[1]
-    acc = _loss_dtype(logits)
+    acc = accumulation_dtype(logits.dtype)
     v, x = grad_grad.to(acc), logits.to(acc)
     p = torch.softmax(x, dim=1)
-    ignored = target == ctx.ignore_index
-    bad = ~ignored & ((target < 0) | (target >= n_classes))
-    safe = torch.where(ignored | bad, 0, target).long()[:, None]
-    along = (v * p).sum(1) - (1 - eps) * v.gather(1, safe)[:, 0] - eps / n_classes * v.sum(1)
+    ignored, bad, safe = target_masks(target, n_classes, ctx.ignore_index)
+    along = (v * p).sum(1) - (1 - eps) * v.gather(1, safe[:, None])[:, 0] - eps / n_classes * v.sum(1)
     d_grad_loss = torch.where(ignored, 0.0, along).masked_fill(bad, float("nan"))
     scale = torch.where(ignored, 0.0, grad_loss.to(acc)).masked_fill(bad, float("nan"))
     d_logits = scale[:, None] * p * (v - (v * p).sum(1, keepdim=True))
@@ -186,7 +182,7 @@ def cross_entropy_op(logits: torch.Tensor, target: torch.Tensor, ignore_index: i
 @cross_entropy_op.register_fake
 def _(logits, target, ignore_index, label_smoothing):
     _check_rows(NAME, logits, target, label_smoothing)
-    rows = logits.new_empty((logits.shape[0],), dtype=_loss_dtype(logits))
+    rows = logits.new_empty((logits.shape[0],), dtype=accumulation_dtype(logits.dtype))
     return rows, torch.empty_like(rows)
 
 

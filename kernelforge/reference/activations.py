@@ -21,16 +21,14 @@ from typing import Optional
 
 import torch
 
+from kernelforge.reference._accumulation import accumulation_dtype as _accumulation_dtype
+
 KINDS = ("gelu", "gelu_tanh", "silu", "relu")
 
 _SQRT1_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _TANH_SCALE = math.sqrt(2.0 / math.pi)  # c in u = c (x + a x^3)
 _TANH_CUBIC = 0.044715  # a
-
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _check_kind(kind: str) -> None:

@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch
 
+from kernelforge.reference._accumulation import accumulation_dtype as _acc_dtype
+
 DEFAULT_CHUNK = 256  # keys per step: large enough for BLAS efficiency, small enough for cache
 
 
@@ -49,10 +51,6 @@ class Visibility:
     @property
     def has_band(self) -> bool:
         return self.left is not None or self.right is not None
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _grouped(t: torch.Tensor, kv_heads: int) -> torch.Tensor:

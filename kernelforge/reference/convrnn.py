@@ -21,9 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def _state_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from kernelforge.reference._accumulation import accumulation_dtype as _state_dtype
 
 
 def convrnn_forward(x: torch.Tensor, kernel: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

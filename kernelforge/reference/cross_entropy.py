@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import torch
 
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from kernelforge.reference._accumulation import accumulation_dtype as _accumulation_dtype
 
 
-def _target_masks(target: torch.Tensor, n_classes: int, ignore_index: int):
+def target_masks(target: torch.Tensor, n_classes: int, ignore_index: int):
+    """(ignored rows, rows whose target is out of range, each row's target as a safe int64 index)."""
     target = target.long()  # an int32 target against an ignore_index beyond int32 must not wrap it
     ignored = target == ignore_index
     bad = ~ignored & ((target < 0) | (target >= n_classes))
@@ -40,7 +39,7 @@ def cross_entropy_forward_rows(logits2d: torch.Tensor, target: torch.Tensor, ign
     x = logits2d.to(_accumulation_dtype(logits2d.dtype))
     n_classes = x.shape[1]
     lse = torch.logsumexp(x, dim=1)
-    ignored, bad, safe = _target_masks(target, n_classes, ignore_index)
+    ignored, bad, safe = target_masks(target, n_classes, ignore_index)
     loss = lse - x.gather(1, safe[:, None])[:, 0]
     if label_smoothing:
         loss = (1 - label_smoothing) * loss + label_smoothing * (lse - x.mean(dim=1))
@@ -54,7 +53,7 @@ def cross_entropy_backward_rows(grad_loss: torch.Tensor, logits2d: torch.Tensor,
     acc = _accumulation_dtype(logits2d.dtype)
     x = logits2d.to(acc)
     n_classes = x.shape[1]
-    ignored, bad, safe = _target_masks(target, n_classes, ignore_index)
+    ignored, bad, safe = target_masks(target, n_classes, ignore_index)
     grad = torch.exp(x - lse.to(acc)[:, None]) - label_smoothing / n_classes
     grad.scatter_add_(1, safe[:, None], torch.full_like(grad[:, :1], -(1 - label_smoothing)))
     scale = torch.where(ignored, 0.0, grad_loss.to(acc)).masked_fill_(bad, float("nan"))

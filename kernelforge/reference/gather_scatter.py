@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from kernelforge.reference._accumulation import accumulation_dtype
+
 REDUCTIONS = ("sum", "mean")
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _check_reduce(reduce: str) -> None:

@@ -20,9 +20,7 @@ from typing import Optional
 
 import torch
 
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from kernelforge.reference._accumulation import accumulation_dtype as _accumulation_dtype
 
 
 def _effective_weight(weight: Optional[torch.Tensor], offset: float, acc: torch.dtype):

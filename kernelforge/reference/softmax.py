@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from kernelforge.reference._accumulation import accumulation_dtype as _accumulation_dtype
 
 
 def softmax(x: torch.Tensor, dim: int = -1, log: bool = False) -> torch.Tensor:

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from kernelforge.reference._accumulation import accumulation_dtype as _compute_dtype
 
 
 def _forward_math(x: torch.Tensor) -> torch.Tensor:
