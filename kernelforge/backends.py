@@ -15,6 +15,10 @@ Policy, in order:
 3. Otherwise the op's preference rules pick the first backend, in the rule's
    order, that supports the inputs. The rules are the fastest-first orders measured
    on our GPUs (see `kernelforge/ops/<op>.py`); CPU inputs go to the reference.
+   While torch.compile traces an op (`tracing()`), traceable backends (Triton JIT kernels,
+   which Inductor launches from its own code) come before opaque ones (CUDA C++): the eager
+   rules put CUDA first only where its cheaper host launch wins, and a compiled graph pays
+   no kernelforge host time for either.
 
 `recording()` collects which backend each op call ran on, to show what a model used.
 """
@@ -24,6 +28,7 @@ import collections
 import contextlib
 import importlib
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterator, Optional, Sequence
 
@@ -49,7 +54,15 @@ class Implementation:
     backend: str
     module: str  # dotted path of the module that holds the launchers
     supports: SupportPredicate
+    # Whether torch.compile can trace this implementation's launches (kernelforge.ops._opdef): a
+    # bool, or a function of no arguments for what is known only at run time (the interpreter).
+    traceable_when: "bool | Callable[[], bool]" = False
     _loaded: object = field(default=None, repr=False)
+
+    @property
+    def traceable(self) -> bool:
+        when = self.traceable_when
+        return when() if callable(when) else when
 
     def launchers(self):
         """The launcher module, imported on first use."""
@@ -67,6 +80,10 @@ class Choice:
     def backend(self) -> str:
         return self.implementation.backend
 
+    @property
+    def traceable(self) -> bool:
+        return self.implementation.traceable
+
 
 _registry: dict[str, dict[str, Implementation]] = {}
 _preferences: dict[str, PreferenceRule] = {}
@@ -80,12 +97,30 @@ _forced: list[Optional[str]] = [None]
 _preferred: list[Optional[str]] = [None]
 # Counters of (op, backend) per selection, while recording() blocks are open.
 _recorders: list[collections.Counter] = []
+# Set on the thread that traces an op for torch.compile (tracing()).
+_trace_state = threading.local()
 
 
-def register(op: str, backend: str, module: str, supports: SupportPredicate) -> None:
+def _triton_traceable() -> bool:
+    # Triton's interpreter (CPU tests) runs kernels eagerly: torch cannot put them into a graph
+    from kernelforge.triton import interpreter_enabled
+
+    return not interpreter_enabled()
+
+
+# What each backend's launches are, by default, to a tracer: the reference is torch ops; Triton
+# kernels go through torch.library.wrap_triton; CUDA C++ extensions are opaque.
+_DEFAULT_TRACEABLE = {"reference": True, "triton": _triton_traceable, "cuda": False}
+
+
+def register(op: str, backend: str, module: str, supports: SupportPredicate,
+             traceable: "Optional[bool | Callable[[], bool]]" = None) -> None:
+    """`traceable` overrides the backend's default (an op whose Triton launcher also runs Gluon or
+    host-descriptor kernels registers it False: those stay inside one opaque custom op)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
-    _registry.setdefault(op, {})[backend] = Implementation(op, backend, module, supports)
+    when = _DEFAULT_TRACEABLE[backend] if traceable is None else traceable
+    _registry.setdefault(op, {})[backend] = Implementation(op, backend, module, supports, when)
     forget_choices()
 
 
@@ -163,6 +198,24 @@ def recording() -> Iterator[collections.Counter]:
         del _recorders[next(i for i, c in enumerate(_recorders) if c is counter)]
 
 
+@contextlib.contextmanager
+def tracing() -> Iterator[None]:
+    """Choices made inside the block are for a graph torch.compile traces: traceable backends first."""
+    previous = getattr(_trace_state, "on", False)
+    _trace_state.on = True
+    try:
+        yield
+    finally:
+        _trace_state.on = previous
+
+
+def selection_state() -> str:
+    """"forced,preferred" as use_backend / prefer_backend set them. The ops read it under Dynamo,
+    which then guards a compiled graph on the setting its backend choices saw (a string, so that
+    Dynamo reads both values, and guards on both, rather than only the lists' lengths)."""
+    return f"{_forced[0]},{_preferred[0]}"
+
+
 def forced_backend() -> Optional[str]:
     """The backend forced by `use_backend`, else by KERNELFORGE_BACKEND, else None."""
     name = _forced[0]
@@ -175,27 +228,31 @@ def forced_backend() -> Optional[str]:
 def select(op: str, *inputs, **options) -> Choice:
     """The implementation that runs `op` on these inputs, and why."""
     forced, preferred = forced_backend(), _preferred[0]
+    traced = getattr(_trace_state, "on", False)
     key_fn = _choice_keys.get(op)
-    if key_fn is None:
-        choice = _select(op, forced, preferred, inputs, options)
+    if key_fn is None or traced:
+        # not cached while tracing: under dynamic shapes a key holds symbolic sizes, whose
+        # comparisons would add guards (the rules' own comparisons guard only what they decide)
+        choice = _select(op, forced, preferred, inputs, options, traced)
     else:
-        key = (op, forced, preferred, key_fn(*inputs, **options))
+        key = (op, forced, preferred, traced, key_fn(*inputs, **options))
         choice = _choices.get(key)
         if choice is None:
-            choice = _choices[key] = _select(op, forced, preferred, inputs, options)
+            choice = _choices[key] = _select(op, forced, preferred, inputs, options, traced)
     for counter in _recorders:
         counter[(op, choice.backend)] += 1
     return choice
 
 
-def _select(op: str, forced: Optional[str], preferred: Optional[str], inputs: tuple, options: dict) -> Choice:
+def _select(op: str, forced: Optional[str], preferred: Optional[str], inputs: tuple, options: dict,
+            traced: bool = False) -> Choice:
     impls = implementations(op)
     if forced is None and preferred is not None:
         impl = impls.get(preferred)
         why_not = f"{op} has no {preferred} implementation" if impl is None else impl.supports(*inputs, **options)
         if why_not is None:
             return Choice(impl, f"{preferred} was preferred")
-        choice = _select(op, None, None, inputs, options)
+        choice = _select(op, None, None, inputs, options, traced)
         return Choice(choice.implementation, f"{choice.reason} ({preferred} was preferred but: {why_not})")
     if forced is not None:
         impl = impls.get(forced)
@@ -212,6 +269,8 @@ def _select(op: str, forced: Optional[str], preferred: Optional[str], inputs: tu
         return Choice(impl, f"{forced} was forced")
 
     order, why_order = _preferences[op](*inputs, **options)
+    if traced:
+        order, why_order = _traceable_first(impls, order, why_order)
     rejected = []
     for backend in order:
         impl = impls.get(backend)
@@ -225,6 +284,23 @@ def _select(op: str, forced: Optional[str], preferred: Optional[str], inputs: tu
     raise BackendUnsupportedError(
         f"kernelforge.{op}: no implementation can run these inputs: " + "; ".join(rejected)
     )
+
+
+def _traceable_first(impls: dict, order: Sequence[str], why: str) -> "tuple[Sequence[str], str]":
+    """The order with the traceable GPU kernels moved ahead of opaque ones; the reference keeps
+    its place (a fallback, not a kernel)."""
+    def opaque(backend: str) -> bool:
+        impl = impls.get(backend)
+        return impl is not None and backend != "reference" and not impl.traceable
+
+    kernels = [b for b in order if b != "reference"]
+    ranked = sorted(kernels, key=opaque)
+    if ranked == kernels:
+        return order, why
+    rest = iter(ranked)
+    new_order = tuple(next(rest) if b != "reference" else b for b in order)
+    return new_order, (f"under torch.compile traceable kernels come first (Inductor launches them as cheaply as "
+                       f"an extension's); eager order: {why}")
 
 
 def explain(op: str, *inputs, **options) -> str:

@@ -1,18 +1,20 @@
-"""The two ways a public kernelforge function runs: in plain eager mode it skips the dispatcher
-(calling the implementation directly, through its own autograd.Function when a gradient is needed);
-under a mode, a transform or torch.compile it goes through the registered op (torch.ops). Both must
-give the same values, layout and gradients."""
+"""The two ways a kernelforge op runs (kernelforge.ops._opdef): in plain eager mode its call skips
+the dispatcher (the implementation directly, through the op's generated autograd.Function when a
+gradient is needed); under a mode, a transform or torch.compile it goes through the registered op
+(torch.ops). Both must give the same values, layout and gradients."""
 import torch
 
 
-def assert_eager_path_equals_registered_op(public, registered, x: torch.Tensor) -> torch.Tensor:
-    """public(x) and registered(x) agree in values, strides and x's gradient, and the eager output
-    is no view (in-place ops on it work as on torch's outputs); returns the eager output."""
+def assert_eager_path_equals_registered_op(public, op, registered, x: torch.Tensor) -> torch.Tensor:
+    """public(x) and registered(x) agree in values, strides and x's gradient, the eager output is no
+    view (in-place ops on it work as on torch's outputs), and public's gradient came from `op`'s
+    eager node (`op`: the kernelforge.ops._opdef.Op public calls); returns the eager output."""
     fast, via_op = public(x), registered(x)
     assert torch.equal(fast, via_op) and fast.stride() == via_op.stride() and not fast._is_view()
     xa, xb = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
     ya, yb = public(xa), registered(xb)
-    assert type(ya.grad_fn).__name__ == "_EagerAutogradBackward"
+    assert op.is_eager_node(ya.grad_fn), type(ya.grad_fn).__name__
+    assert not op.is_eager_node(yb.grad_fn)
     g = torch.randn_like(ya)
     ya.backward(g)
     yb.backward(g)

@@ -21,8 +21,8 @@ import torch
 from kernelforge import backends
 from kernelforge._rows import empty_rows_output, from_rows, rows_view, run_rows
 from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, normalize_dim
-from kernelforge.ops._common import not_a_view
-from kernelforge.ops._common import plain_eager_call as _plain_eager_call
+from kernelforge.ops._opdef import define_op
+from kernelforge.reference._accumulation import accumulation_dtype
 
 OP = "softmax"  # the backend registry's name for the family (softmax and log_softmax)
 
@@ -96,54 +96,29 @@ def _check_backward(name: str, grad_output: torch.Tensor, output: torch.Tensor, 
     return normalize_dim(name, "dim", dim, output.dim())
 
 
-def _launchers(x: torch.Tensor, dim: int):
-    return backends.select(OP, x, dim=dim).implementation.launchers()
+def _choose(x: torch.Tensor, dim: int) -> backends.Choice:
+    return backends.select(OP, x, dim=dim)
 
 
-def _forward(name: str, x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
-    """What the registered forward op computes (also called directly by the eager fast path)."""
-    dim = _check_input(name, x, dim)
-    launchers = _launchers(x, dim)
-    # not a view (ops._common.not_a_view): in-place ops on it work as on torch's outputs
-    return not_a_view(run_rows(x, dim, lambda x2d: launchers.softmax_forward_rows(x2d, log)))
+def _forward_impl(name: str, log: bool):
+    def forward(x: torch.Tensor, dim: int) -> torch.Tensor:
+        dim = _check_input(name, x, dim)
+        launchers = _choose(x, dim).implementation.launchers()
+        return run_rows(x, dim, lambda x2d: launchers.softmax_forward_rows(x2d, log))
+
+    return forward
 
 
-def _backward(name: str, grad_output: torch.Tensor, output: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
-    """What the registered backward op computes (also called by the eager fast path)."""
-    dim = _check_backward(name, grad_output, output, dim)
-    if output.numel() == 0:
-        return empty_rows_output(output, dim)
-    launchers = _launchers(output, dim)
-    grad2d = launchers.softmax_backward_rows(rows_view(grad_output, dim), rows_view(output, dim), log)
-    return from_rows(grad2d, output, dim)
+def _backward_impl(name: str, log: bool):
+    def backward(grad_output: torch.Tensor, output: torch.Tensor, dim: int) -> torch.Tensor:
+        dim = _check_backward(name, grad_output, output, dim)
+        if output.numel() == 0:
+            return empty_rows_output(output, dim)
+        launchers = _choose(output, dim).implementation.launchers()
+        grad2d = launchers.softmax_backward_rows(rows_view(grad_output, dim), rows_view(output, dim), log)
+        return from_rows(grad2d, output, dim)
 
-
-class _EagerAutograd(torch.autograd.Function):
-    """The registered op's autograd, without the dispatcher, for plain eager calls.
-    Same implementation, same saved tensor; a double backward (create_graph=True) goes
-    through the registered backward op, which carries its own gradient."""
-
-    @staticmethod
-    def forward(ctx, x, dim: int, name: str, log: bool):
-        y = _forward(name, x, dim, log)
-        ctx.save_for_backward(y)
-        ctx.dim, ctx.name, ctx.log = dim, name, log
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        (y,) = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            grad = getattr(torch.ops.kernelforge, f"{ctx.name}_backward")(grad_output, y, ctx.dim)
-        else:
-            grad = _backward(f"{ctx.name}_backward", grad_output, y, ctx.dim, ctx.log)
-        return grad, None, None, None
-
-
-def _eager(name: str, x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
-    if x.requires_grad and torch.is_grad_enabled():
-        return _EagerAutograd.apply(x, dim, name, log)
-    return _forward(name, x, dim, log)
+    return backward
 
 
 # ----------------------------------------------------------------------------- double backward
@@ -156,7 +131,7 @@ def _double_backward(ctx, grad_grad_input):
     grad_output, output = ctx.saved_tensors
     dim, log = ctx.dim, ctx.log
     v = grad_grad_input
-    acc = torch.float64 if output.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(output.dtype)
     g, y, v = grad_output.to(acc), output.to(acc), v.to(acc)
     if log:
         ey = y.exp()
@@ -170,42 +145,37 @@ def _double_backward(ctx, grad_grad_input):
     return d_grad.to(grad_output.dtype), d_out.to(output.dtype), None
 
 
-# ----------------------------------------------------------------------------- registration
+# ----------------------------------------------------------------------------- definitions
 def _define(name: str, log: bool):
-    """Register `name` and `name_backward` with fakes and autograd; return both op objects."""
+    """kernelforge::<name> and <name>_backward, each with its fake and gradient; returns both."""
+    backward_name = f"{name}_backward"
 
-    @torch.library.custom_op(f"kernelforge::{name}_backward", mutates_args=())
-    def backward_op(grad_output: torch.Tensor, output: torch.Tensor, dim: int) -> torch.Tensor:
-        return _backward(f"{name}_backward", grad_output, output, dim, log)
-
-    @backward_op.register_fake
-    def _(grad_output, output, dim):
-        return empty_rows_output(output, _check_backward(f"{name}_backward", grad_output, output, dim))
-
-    def setup_backward_context(ctx, inputs, output):
+    def save_backward_inputs(ctx, inputs, output):
         grad_output, forward_output, dim = inputs
         ctx.save_for_backward(grad_output, forward_output)
         ctx.dim, ctx.log = dim, log
 
-    backward_op.register_autograd(_double_backward, setup_context=setup_backward_context)
+    backward_op = define_op(
+        f"kernelforge::{backward_name}(Tensor grad_output, Tensor output, int dim) -> Tensor",
+        impl=_backward_impl(backward_name, log),
+        fake=lambda g, y, dim: empty_rows_output(y, _check_backward(backward_name, g, y, dim)),
+        choose=lambda g, y, dim: _choose(y, dim),
+        setup_context=save_backward_inputs, backward=_double_backward)
 
-    @torch.library.custom_op(f"kernelforge::{name}", mutates_args=())
-    def forward_op(x: torch.Tensor, dim: int) -> torch.Tensor:
-        return _forward(name, x, dim, log)
-
-    @forward_op.register_fake
-    def _(x, dim):
-        return empty_rows_output(x, _check_input(name, x, dim))
-
-    def setup_context(ctx, inputs, output):
+    def save_output(ctx, inputs, output):
         ctx.dim = inputs[1]
         ctx.save_for_backward(output)
 
-    def grad(ctx, grad_output):
+    def gradient(ctx, grad_output):
         (output,) = ctx.saved_tensors
         return backward_op(grad_output, output, ctx.dim), None
 
-    forward_op.register_autograd(grad, setup_context=setup_context)
+    forward_op = define_op(
+        f"kernelforge::{name}(Tensor x, int dim) -> Tensor",
+        impl=_forward_impl(name, log),
+        fake=lambda x, dim: empty_rows_output(x, _check_input(name, x, dim)),
+        choose=lambda x, dim: _choose(x, dim),
+        setup_context=save_output, backward=gradient)
     return forward_op, backward_op
 
 
@@ -216,13 +186,9 @@ log_softmax_op, log_softmax_backward_op = _define("log_softmax", log=True)
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """softmax along `dim`: exp(x - max) / sum(exp(x - max)), computed in float32 for
     low-precision inputs. Any rank and layout; differentiable; works under torch.compile."""
-    if _plain_eager_call(x):
-        return _eager("softmax", x, dim, False)
-    return torch.ops.kernelforge.softmax(x, dim)
+    return softmax_op(x, dim)
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """log of softmax along `dim`: x - max - log(sum(exp(x - max)))."""
-    if _plain_eager_call(x):
-        return _eager("log_softmax", x, dim, True)
-    return torch.ops.kernelforge.log_softmax(x, dim)
+    return log_softmax_op(x, dim)

@@ -113,8 +113,23 @@ def _spec(arg):
 _COMPILED: dict = {}
 
 
+# Tensors launch() passes to Triton as they are; any other tensor type is a tracer's (below).
+_REAL_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _first_tensor(args):
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            return arg
+    return None
+
+
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """kernel[grid](*args, **kwargs) on the current CUDA stream, at a fraction of the host cost.
+
+    Under torch.compile's tracing (an op decomposed by kernelforge.ops._opdef: the tensors are
+    FunctionalTensors or FakeTensors) the launch is recorded instead, through
+    torch.library.wrap_triton: Inductor then launches the kernel from its generated code.
 
     Triton's JITFunction.run binds and specializes every argument, reads its environment knobs
     and looks the kernel up on every call: 14 us for a kernel of 31 arguments against 6 us for
@@ -125,6 +140,12 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     Triton separates) call the compiled launcher directly, as Inductor's generated launchers
     do. Triton's path is kept for the interpreter, for arguments `_spec` does not know, and
     while launch hooks (a profiler's) are installed. Keyword arguments must be hashable."""
+    first = _first_tensor(args)
+    if first is not None and type(first) not in _REAL_TENSORS:
+        from torch.library import wrap_triton
+
+        wrap_triton(kernel)[grid](*args, **kwargs)
+        return
     jit_function, runtime = _triton_runtime()
     # Gluon kernels are a JITFunction subclass with the same compiled launcher
     if not isinstance(kernel, jit_function) or runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls:

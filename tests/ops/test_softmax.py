@@ -244,15 +244,16 @@ def test_eager_fast_path_equals_registered_op(name):
     # In plain eager mode kf.softmax skips the dispatcher (with its own autograd glue when a
     # gradient is needed); under a mode, a transform or torch.compile it goes through
     # torch.ops. Both must give the same values, layout and gradients.
-    from kernelforge.ops._common import plain_eager_call as _plain_eager_call
+    from kernelforge.ops import softmax as softmax_ops
 
     op = getattr(torch.ops.kernelforge, name)
+    definition = getattr(softmax_ops, f"{name}_op")
     x = torch.randn(6, 5, 7).transpose(0, 2)
-    assert _plain_eager_call(x) and _plain_eager_call(x.detach().requires_grad_())
-    fast = assert_eager_path_equals_registered_op(lambda t: FUNCS[name][0](t, 1), lambda t: op(t, 1), x)
+    assert definition._plain_eager((x, 1)) and definition._plain_eager((x.detach().requires_grad_(), 1))
+    fast = assert_eager_path_equals_registered_op(lambda t: FUNCS[name][0](t, 1), definition, lambda t: op(t, 1), x)
     with torch._subclasses.FakeTensorMode() as mode:
         fake = mode.from_tensor(x)
-        assert not _plain_eager_call(fake)
+        assert not definition._plain_eager((fake, 1))
         assert FUNCS[name][0](fake, 1).stride() == fast.stride()
     # vmap runs through the op too (functorch transforms are active inside)
     torch.testing.assert_close(torch.vmap(lambda t: FUNCS[name][0](t, -1))(x), FUNCS[name][1](x, -1))
