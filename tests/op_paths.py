@@ -20,3 +20,22 @@ def assert_eager_path_equals_registered_op(public, op, registered, x: torch.Tens
     yb.backward(g)
     assert torch.equal(xa.grad, xb.grad)
     return fast
+
+
+def compiled_code(fn, *args, **compile_kwargs):
+    """(fn compiled by Inductor with fullgraph=True applied to args, the Python code Inductor
+    generated for it, joined)."""
+    from torch._inductor.utils import run_and_get_code
+
+    out, codes = run_and_get_code(torch.compile(fn, fullgraph=True, **compile_kwargs), *args)
+    return out, "\n".join(codes)
+
+
+def assert_inductor_launches(fn, args, kernels, **compile_kwargs):
+    """Inductor's code for fn(*args) launches each named Triton kernel itself (the op was traced into)
+    and calls no kernelforge op; returns fn's compiled output."""
+    out, code = compiled_code(fn, *args, **compile_kwargs)
+    for name in kernels:
+        assert name in code, f"{name} is not launched by Inductor's code"
+    assert "torch.ops.kernelforge" not in code, "a kernelforge op stayed opaque in the compiled graph"
+    return out
