@@ -1,6 +1,7 @@
 """Example models built on kernelforge, each at five optimization levels (LEVELS): native
-PyTorch, TorchScript, torch.compile, Triton kernels, CUDA kernels. The same weights give the
-same outputs at every level, within the dtype's tolerance.
+PyTorch, TorchScript, torch.compile, Triton kernels, CUDA kernels; and at the fastest level
+(FASTEST: torch.compile with kernelforge's kernels where they win, in CUDA graphs). The same
+weights give the same outputs at every level, within the dtype's tolerance.
 
     from kernelforge.models import LanguageModel
     model = LanguageModel(vocab_size=256, dim=128, n_layers=2, n_heads=4, max_seq_len=256, level="triton")
@@ -12,7 +13,8 @@ KernelOptimizedVisionTransformer, KernelOptimizedGraphNeuralNetwork.
 """
 from kernelforge.models.graph_neural_network import GraphNeuralNetwork, GraphNeuralNetworkConfig
 from kernelforge.models.language_model import LanguageModel, LanguageModelConfig
-from kernelforge.models.levels import KERNELFORGE_LEVELS, LEVELS, LevelUnavailableError, why_level_unavailable
+from kernelforge.models.levels import (EXTRA_LEVELS, FASTEST, KERNELFORGE_LEVELS, LEVELS, LevelUnavailableError,
+                                      why_level_unavailable)
 from kernelforge.models.transformer import BlockConfig, OptimizedTransformerBlock
 from kernelforge.models.vision_transformer import VisionTransformer, VisionTransformerConfig
 
@@ -20,7 +22,7 @@ KernelOptimizedLanguageModel = LanguageModel
 KernelOptimizedVisionTransformer = VisionTransformer
 KernelOptimizedGraphNeuralNetwork = GraphNeuralNetwork
 
-__all__ = ["BlockConfig", "GraphNeuralNetwork", "GraphNeuralNetworkConfig", "KERNELFORGE_LEVELS",
+__all__ = ["BlockConfig", "EXTRA_LEVELS", "FASTEST", "GraphNeuralNetwork", "GraphNeuralNetworkConfig", "KERNELFORGE_LEVELS",
            "KernelOptimizedGraphNeuralNetwork", "KernelOptimizedLanguageModel", "KernelOptimizedVisionTransformer",
            "LEVELS", "LanguageModel", "LanguageModelConfig", "LevelUnavailableError", "OptimizedTransformerBlock",
            "VisionTransformer", "VisionTransformerConfig", "run_progressive_optimization_demo", "why_level_unavailable"]

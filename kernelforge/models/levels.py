@@ -8,6 +8,11 @@
                  GNN's fused gather-scatter)
     cuda         kernelforge ops on their CUDA C++ kernels where kernelforge has them (GEMM,
                  norms, attention forward, activations); the measured choice for the rest
+and a sixth, the fastest way kernelforge knows to run the model:
+    fastest      torch.compile of the model with kernelforge's kernels where they win (traced into the
+                 graph: Inductor launches their Triton kernels and fuses around them) and torch's
+                 elsewhere (FastestKernels says which, and the measurement behind each), captured in
+                 CUDA graphs (mode="reduce-overhead") on a GPU
 
 Every level runs the same modules with the same parameters. A model's components call the few
 functions that differ between levels through a kernel set (`TorchKernels` or
@@ -37,10 +42,13 @@ from kernelforge import backends
 from kernelforge.reference.gather_scatter import gather_scatter as reference_gather_scatter
 
 LEVELS = ("native", "torchscript", "compile", "triton", "cuda")
-# "reference" is a sixth level outside the five: kernelforge's ops on their pure-PyTorch reference
-# implementations (what they run on a CPU). It runs anywhere; the CPU tests train with it, as it
-# exercises kernelforge's registered ops and their hand-written backward formulas.
-EXTRA_LEVELS = ("reference",)
+FASTEST = "fastest"
+# Beside the five: the fastest level (above), and "reference": kernelforge's ops on their
+# pure-PyTorch reference implementations (what they run on a CPU). The reference level runs
+# anywhere; the CPU tests train with it, as it exercises kernelforge's registered ops and their
+# hand-written backward formulas.
+EXTRA_LEVELS = (FASTEST, "reference")
+# The levels that run kernelforge's ops eagerly, each on the backend of its name.
 KERNELFORGE_LEVELS = ("triton", "cuda", "reference")
 
 
@@ -74,7 +82,7 @@ def why_level_unavailable(level: str, device: Optional[torch.device] = None) -> 
 
 def check_level(level: str) -> str:
     if level not in LEVELS + EXTRA_LEVELS:
-        raise ValueError(f"level must be one of {LEVELS} (or {EXTRA_LEVELS[0]!r}), got {level!r}")
+        raise ValueError(f"level must be one of {LEVELS + EXTRA_LEVELS}, got {level!r}")
     return level
 
 
@@ -218,8 +226,26 @@ class KernelforgeKernels:
         return kf.gather_scatter(x, src, dst, num_nodes, reduce)
 
 
+class FastestKernels(KernelforgeKernels):
+    """What the fastest level runs inside torch.compile: each function from whichever of kernelforge
+    and torch is faster at the example models' shapes under compile (H200, bf16; see README's
+    models table). kernelforge's Triton kernels enter the compiled graph (traced through
+    kernelforge.ops._opdef), torch's functions are compiled by Inductor as at the compile level."""
+
+    name = "fastest"
+
+    # cuBLAS through F.linear, with Inductor fusing bias and activation around it: kernelforge's
+    # GEMM runs at 0.71x cuBLAS at ViT-B's shapes and 0.96x at the LM's (device time), and, an
+    # autotuned opaque op, it would also keep Inductor from fusing its neighbors.
+    linear = TorchKernels.linear
+    # cuDNN / FlashAttention-2 through SDPA: kernelforge's head-dim-64 attention runs at 0.77x
+    # cuDNN forward and slower backward.
+    attention = TorchKernels.attention
+
+
 TORCH_KERNELS = TorchKernels()
 KERNELFORGE_KERNELS = KernelforgeKernels()
+FASTEST_KERNELS = FastestKernels()
 
 
 class KernelChoice:
@@ -287,8 +313,9 @@ class LevelledModel(Component):
         return self
 
     def kernel_scope(self):
-        """The backend preference of a kernelforge level (a null context at the other levels).
-        Wrap the training step in it so autograd's backward ops follow the level too."""
+        """The backend preference of a kernelforge level (a null context at the other levels: the
+        fastest level's choices are made when its graphs are traced). Wrap the training step in it so
+        autograd's backward ops follow the level too."""
         if self._level in KERNELFORGE_LEVELS:
             return backends.prefer_backend(self._level)
         return contextlib.nullcontext()
@@ -304,6 +331,18 @@ class LevelledModel(Component):
         level = "triton" if device.type == "cuda" else "reference"
         self.set_level(level)
         return f"level set to {level!r} (its parameters are on {device.type})"
+
+    def _compiled(self, method: str, inputs: tuple, fastest: bool = False):
+        """The compiled method: torch.compile's defaults at the compile level; at the fastest level
+        the whole method as one graph, captured in CUDA graphs when it runs on a GPU."""
+        compiled = self._wrapped.get(method)
+        if compiled is None:
+            options = {}
+            if fastest:
+                device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+                options = {"fullgraph": True, **({"mode": "reduce-overhead"} if device.type == "cuda" else {})}
+            compiled = self._wrapped[method] = torch.compile(_Method(self, method), **options)
+        return compiled
 
     def __getstate__(self):
         # traces and compiled graphs hold the model itself: a copy starts without them
@@ -326,14 +365,17 @@ class LevelledModel(Component):
                     return getattr(self, method)(*inputs)
             finally:
                 self.kernels.ops = TORCH_KERNELS
+        if level == FASTEST:
+            self.kernels.ops = FASTEST_KERNELS
+            try:
+                return self._compiled(method, inputs, fastest=True)(*inputs)
+            finally:
+                self.kernels.ops = TORCH_KERNELS
         self.kernels.ops = TORCH_KERNELS
         if level == "native":
             return getattr(self, method)(*inputs)
         if level == "compile":
-            compiled = self._wrapped.get(method)
-            if compiled is None:
-                compiled = self._wrapped[method] = torch.compile(_Method(self, method))
-            return compiled(*inputs)
+            return self._compiled(method, inputs)(*inputs)
         # torchscript: one trace per input signature (shapes, dtypes, mode), since a trace
         # records the shapes it saw; the per-shape retrace makes its shape warnings moot. The
         # parameters' identities are in the key too: a trace holds the tensors it saw, so after
@@ -349,5 +391,5 @@ class LevelledModel(Component):
         return traced(*inputs)
 
 
-__all__ = ["EXTRA_LEVELS", "KERNELFORGE_LEVELS", "LEVELS", "Component", "KernelforgeKernels", "LevelUnavailableError",
-           "LevelledModel", "TorchKernels", "why_level_unavailable"]
+__all__ = ["EXTRA_LEVELS", "FASTEST", "KERNELFORGE_LEVELS", "LEVELS", "Component", "FastestKernels", "KernelforgeKernels",
+           "LevelUnavailableError", "LevelledModel", "TorchKernels", "why_level_unavailable"]

@@ -4,7 +4,7 @@
     y = kernelforge.ops.my_op.my_op(x)      elementwise, any shape; float16 / bfloat16 /
                                             float32 on GPU, float64 too on CPU
 
-Registered ops (each with a fake implementation):
+Registered ops (each defined once by define_op: fake, autograd, the eager call):
     kernelforge::my_op(Tensor x) -> Tensor
     kernelforge::my_op_backward(Tensor grad_y, Tensor x) -> Tensor
     kernelforge::my_op_cuda_forward / my_op_cuda_backward: the same signatures, the CUDA
@@ -21,6 +21,7 @@ import torch
 
 from kernelforge import backends
 from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating
+from kernelforge.ops._opdef import define_op
 
 OP = "my_op"
 
@@ -69,12 +70,17 @@ def _choice_key(x: torch.Tensor):
 
 
 backends.register(OP, "triton", "kernelforge.triton.my_op", _why_not_triton)
-backends.register(OP, "cuda", "kernelforge.cuda.my_op", _why_not_cuda)
+# traceable: its launches are the registered ops below (fakes included), which a graph can hold
+backends.register(OP, "cuda", "kernelforge.cuda.my_op", _why_not_cuda, traceable=True)
 backends.register(OP, "reference", "kernelforge.reference.my_op", _why_not_reference)
 backends.set_preference(OP, _preference, _choice_key)
 
 
-# ----------------------------------------------------------------------------- registration
+# ----------------------------------------------------------------------------- definitions
+def _choose(x: torch.Tensor) -> backends.Choice:
+    return backends.select(OP, x)
+
+
 def _fake_forward(x):
     _check(x)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -92,27 +98,19 @@ torch.library.define("kernelforge::my_op_cuda_backward", "(Tensor grad_y, Tensor
 torch.library.register_fake("kernelforge::my_op_cuda_backward", _fake_backward)
 
 
-@torch.library.custom_op("kernelforge::my_op_backward", mutates_args=())
-def my_op_backward_op(grad_y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _backward(grad_y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """What kernelforge::my_op_backward computes (the eager call runs it directly)."""
     _check_backward(grad_y, x)
-    launchers = backends.select(OP, x).implementation.launchers()
-    return launchers.my_op_backward(grad_y, x).contiguous()
+    return _choose(x).implementation.launchers().my_op_backward(grad_y, x).contiguous()
 
 
-my_op_backward_op.register_fake(_fake_backward)
-
-
-@torch.library.custom_op("kernelforge::my_op", mutates_args=())
-def my_op_op(x: torch.Tensor) -> torch.Tensor:
+def _forward(x: torch.Tensor) -> torch.Tensor:
+    """What kernelforge::my_op computes: checks, the backend choice, the launch."""
     _check(x)
-    launchers = backends.select(OP, x).implementation.launchers()
-    return launchers.my_op_forward(x).contiguous()
+    return _choose(x).implementation.launchers().my_op_forward(x).contiguous()
 
 
-my_op_op.register_fake(_fake_forward)
-
-
-def _setup_context(ctx, inputs, output):
+def _save_input(ctx, inputs, output):
     ctx.save_for_backward(inputs[0])
 
 
@@ -121,10 +119,15 @@ def _gradient(ctx, grad_y):
     return my_op_backward_op(grad_y, x)
 
 
-my_op_op.register_autograd(_gradient, setup_context=_setup_context)
+# One definition each: the registered op (fake, autograd; torch.compile traces into _forward where the
+# chosen backend is Triton or the reference) and the lean eager call (kernelforge/ops/_opdef.py).
+my_op_backward_op = define_op("kernelforge::my_op_backward(Tensor grad_y, Tensor x) -> Tensor", _backward,
+                              _fake_backward, choose=lambda grad_y, x: _choose(x))
+my_op_op = define_op("kernelforge::my_op(Tensor x) -> Tensor", _forward, _fake_forward, choose=_choose,
+                     setup_context=_save_input, backward=_gradient)
 
 
 def my_op(x: torch.Tensor) -> torch.Tensor:
     """y = my_op(x), elementwise (see kernelforge/reference/my_op.py); differentiable; works
     under torch.compile."""
-    return torch.ops.kernelforge.my_op(x)
+    return my_op_op(x)

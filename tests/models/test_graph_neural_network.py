@@ -190,14 +190,16 @@ def test_torchscript_matches_native_and_retraces_rightly():
 
 
 @pytest.mark.slow
-def test_compile_level_matches_native():
-    """The one torch.compile test (Inductor's first CPU compile costs seconds): one layer, two
-    calls of the same shapes and other values, one compiled graph."""
+@pytest.mark.parametrize("level", ["compile", "fastest"])
+def test_compiled_levels_match_native(level):
+    """The torch.compile tests (Inductor's first CPU compile costs seconds): one layer, two calls of
+    the same shapes and other values, one compiled graph. The fastest level traces kernelforge's
+    gather_scatter into the graph (its reference's torch ops on the CPU)."""
     model = randomized(GraphNeuralNetwork(5, hidden=8, num_classes=3, layers=1, aggregation="mean", pooling="sum",
                                           activation="silu"))
     x, edge_index, batch = make_graphs([2, 6], 5)
     want = [model(x, edge_index, batch), model(x.flip(0), edge_index.flip(0), 1 - batch)]
-    model.set_level("compile")
+    model.set_level(level)
     torch.testing.assert_close(model(x, edge_index, batch), want[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(model(x.flip(0), edge_index.flip(0), 1 - batch), want[1], rtol=1e-5, atol=1e-5)
 
@@ -292,7 +294,7 @@ def test_bad_inputs():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("level", ["torchscript", "compile", "triton", "cuda"])
+@pytest.mark.parametrize("level", ["torchscript", "compile", "triton", "cuda", "fastest"])
 def test_levels_on_gpu_match_the_oracle_as_native_does(level, dtype):
     """Each level's error against the float64 oracle is at most twice native's in the same dtype,
     plus a floor (the rule of tests/models/test_transformer_models.py)."""
