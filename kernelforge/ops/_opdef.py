@@ -173,6 +173,8 @@ class Op:
             return outputs
 
         def backward(ctx, *grads):
+            if op._returns_list:  # torch.library hands a Tensor[] output's gradients over as one list
+                grads = (list(grads),)
             result = op._gradient(ctx, *grads)
             result = result if isinstance(result, tuple) else (result,)
             # a list input (a block mask's tensors) is no tensor to autograd.Function: None for it

@@ -1,4 +1,5 @@
-"""layer_norm, rms_norm and their residual-add forms: schemas, checks, fakes, autograd, dispatch.
+"""layer_norm, rms_norm and their residual-add forms, each defined once (kernelforge.ops._opdef):
+schemas, checks, fakes, gradients, backend choice.
 
 Registered ops (each with a fake implementation; normalization over the trailing
 `normalized_shape` dims; mean and rstd are float32 (float64 for float64 input), shaped
@@ -21,6 +22,9 @@ y = norm(h) * (weight + offset) + bias; offset 1.0 with RMS gives Gemma's x * (1
 
 Every backend implements two row launchers (see kernelforge.reference.norms) on (rows, n)
 views with unit column stride; this module flattens the normalized dims into n.
+Under torch.compile an op is traced into its implementation where the chosen backend is
+traceable (the reference's torch ops; Triton's JIT kernels, which Inductor then launches);
+a call on the CUDA extension stays one opaque custom op.
 """
 from __future__ import annotations
 
@@ -31,8 +35,8 @@ from typing import Optional, Sequence
 import torch
 
 from kernelforge import backends
-from kernelforge.ops._common import (FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, not_a_view,
-                                     plain_eager_call, require)
+from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, require
+from kernelforge.ops._opdef import Op, define_op
 
 OP = "norms"  # the backend registry's name for the family: the norms share kernels and rules
 
@@ -220,33 +224,35 @@ def _shaped(t: torch.Tensor, shape) -> torch.Tensor:
     return t if t.shape == shape else t.view(shape)
 
 
-def _launchers(x: torch.Tensor, weight, bias, n: int, backward: bool):
-    if x.numel() == 0:  # nothing to launch: the reference shapes the empty results
-        return backends.implementations(OP)["reference"].launchers()
-    return backends.select(OP, x, weight, bias, n=n, backward=backward).implementation.launchers()
+_EMPTY_REASON = "an empty input has nothing to launch: the reference shapes the empty results"
+
+
+def _choose(x: torch.Tensor, weight, bias, n: int, backward: bool) -> backends.Choice:
+    """The backend that runs a norm (or its backward, `backward`) over rows of n elements of x."""
+    if x.numel() == 0:
+        return backends.Choice(backends.implementations(OP)["reference"], _EMPTY_REASON)
+    return backends.select(OP, x, weight, bias, n=n, backward=backward)
 
 
 def _forward(v: _Variant, x, residual, normalized_shape, weight, bias, eps: float, offset: float) -> tuple:
-    """What the registered forward op computes, as its output tuple."""
+    """What the forward op computes, as its output tuple."""
     n = _check_forward(v, x, residual, normalized_shape, weight, bias, eps)
     k = len(normalized_shape)
-    y, residual_out, mean, rstd = _launchers(x, weight, bias, n, backward=False).norm_forward_rows(
-        _rows(x, k), _rows(residual, k), _flat(weight), _flat(bias), eps, v.rms, offset)
+    y, residual_out, mean, rstd = _choose(x, weight, bias, n, backward=False).implementation.launchers(
+    ).norm_forward_rows(_rows(x, k), _rows(residual, k), _flat(weight), _flat(bias), eps, v.rms, offset)
     stats_shape = x.shape[: x.dim() - len(normalized_shape)]
-    # not views (ops._common.not_a_view): in-place ops on them work as on torch's outputs, on both
-    # the eager path and the registered op's, and modify what the backward saved (its version check)
-    return tuple(not_a_view(o) for o in v.outputs(
+    return v.outputs(
         _shaped(y, x.shape), None if residual_out is None else _shaped(residual_out, x.shape),
-        None if mean is None else _shaped(mean, stats_shape), _shaped(rstd, stats_shape)))
+        None if mean is None else _shaped(mean, stats_shape), _shaped(rstd, stats_shape))
 
 
 def _backward(op: str, grad_y, grad_residual, h, normalized_shape, weight, bias, mean, rstd,
               offset: float, weight_grads: bool) -> list:
-    """What the registered backward ops compute."""
+    """What the backward ops compute."""
     stats = {"rstd": rstd} if mean is None else {"mean": mean, "rstd": rstd}
     n = _check_backward(op, grad_y, grad_residual, h, normalized_shape, weight, bias, stats)
     k = len(normalized_shape)
-    dh, dw, db = _launchers(h, weight, bias, n, backward=True).norm_backward_rows(
+    dh, dw, db = _choose(h, weight, bias, n, backward=True).implementation.launchers().norm_backward_rows(
         _rows(grad_y, k), _rows(grad_residual, k), _rows(h, k), _flat(weight), bias is not None,
         _flat(mean), _flat(rstd), mean is None, offset, weight_grads)
     grads = [_shaped(dh, h.shape)]
@@ -266,10 +272,21 @@ def _fake_backward(op: str, grad_y, grad_residual, h, normalized_shape, weight, 
         torch.empty_like(p, memory_format=torch.contiguous_format) for p in params if p is not None]
 
 
+def _fake_forward(v: _Variant, x, residual, normalized_shape, weight, bias, eps: float, offset: float) -> tuple:
+    _check_forward(v, x, residual, normalized_shape, weight, bias, eps)
+    stats_shape = x.shape[: x.dim() - len(normalized_shape)]
+    stats_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    new_stat = lambda: x.new_empty(stats_shape, dtype=stats_dtype)  # noqa: E731
+    dense = lambda: torch.empty_like(x, memory_format=torch.contiguous_format)  # noqa: E731
+    return v.outputs(dense(), dense() if v.residual else None, None if v.rms else new_stat(), new_stat())
+
+
+# ----------------------------------------------------------------------------- gradients
 def _double_backward(ctx, grad_grads):
     """Gradients of a backward op (create_graph=True): autograd through the reference's
     backward formula, with the statistics recomputed from h so that their dependence on
-    h is counted (the mean and rstd inputs then get no gradient of their own)."""
+    h is counted (the mean and rstd inputs then get no gradient of their own). grad_grads: the
+    gradients of the op's Tensor[] output, as one list."""
     from kernelforge.reference.norms import differentiable_backward
 
     grad_y, grad_residual, h, weight, bias = ctx.saved_tensors
@@ -290,135 +307,100 @@ def _double_backward(ctx, grad_grads):
     return (d_grad_y, d_grad_residual, d_h, None, d_weight, None, *stats, None, None, None)
 
 
-# ----------------------------------------------------------------------------- autograd
-def _fake_forward(v: _Variant, x, residual, normalized_shape, weight, bias, eps: float, offset: float) -> tuple:
-    _check_forward(v, x, residual, normalized_shape, weight, bias, eps)
-    stats_shape = x.shape[: x.dim() - len(normalized_shape)]
-    stats_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    new_stat = lambda: x.new_empty(stats_shape, dtype=stats_dtype)  # noqa: E731
-    dense = lambda: torch.empty_like(x, memory_format=torch.contiguous_format)  # noqa: E731
-    return v.outputs(dense(), dense() if v.residual else None, None if v.rms else new_stat(), new_stat())
-
-
-def _save_for_backward(ctx, v: _Variant, x, normalized_shape, weight, bias, eps, offset, outputs) -> None:
-    _, residual_out, mean, rstd = v.split_outputs(outputs)
-    ctx.save_for_backward(residual_out if v.residual else x, weight, bias, mean, rstd)
-    ctx.normalized_shape, ctx.eps, ctx.offset = normalized_shape, eps, offset
-
-
-def _input_grads(ctx, v: _Variant, grads, run_backward, weight_grads: bool) -> tuple:
+def _input_grads(ctx, v: _Variant, grads, backward_op: Op, weight_grads: bool) -> tuple:
     """Gradients for (x, [residual], normalized_shape, weight, bias, eps, offset) from the
-    gradients of the forward outputs; run_backward is the backward op or its implementation."""
+    gradients of the forward outputs."""
     h, weight, bias, mean, rstd = ctx.saved_tensors
     grad_y = grads[0] if grads[0] is not None else torch.zeros_like(h)
     grad_residual = grads[1] if v.residual else None
     stats = (rstd,) if v.rms else (mean, rstd)
-    result = iter(run_backward(grad_y, grad_residual, h, ctx.normalized_shape, weight, bias, *stats,
-                               ctx.eps, ctx.offset, weight_grads))
+    result = iter(backward_op(grad_y, grad_residual, h, ctx.normalized_shape, weight, bias, *stats,
+                              ctx.eps, ctx.offset, weight_grads))
     grad_h = next(result)
     grad_weight = next(result) if weight_grads and weight is not None else None
     grad_bias = next(result) if weight_grads and bias is not None else None
     return ((grad_h, grad_h) if v.residual else (grad_h,)) + (None, grad_weight, grad_bias, None, None)
 
 
-def _backward_impl(v: _Variant):
-    """The backward op's implementation with the op's argument order."""
+# ----------------------------------------------------------------------------- definitions
+def _define_backward(v: _Variant) -> Op:
+    """kernelforge::layer_norm_backward or rms_norm_backward (v: the variant without residual)."""
+    name = v.backward_name
+    stats = "Tensor rstd" if v.rms else "Tensor mean, Tensor rstd"
+    schema = (f"kernelforge::{name}(Tensor grad_y, Tensor? grad_residual, Tensor h, int[] normalized_shape, "
+              f"Tensor? weight, Tensor? bias, {stats}, float eps, float offset, bool weight_grads) -> Tensor[]")
     if v.rms:
-        return lambda gy, gr, h, ns, w, b, rstd, eps, offset, wg: _backward(
-            v.backward_name, gy, gr, h, ns, w, b, None, rstd, offset, wg)
-    return lambda gy, gr, h, ns, w, b, mean, rstd, eps, offset, wg: _backward(
-        v.backward_name, gy, gr, h, ns, w, b, mean, rstd, offset, wg)
+        def impl(gy, gr, h, ns, w, b, rstd, eps, offset, wg):
+            return _backward(name, gy, gr, h, ns, w, b, None, rstd, offset, wg)
 
-
-class _EagerNorm(torch.autograd.Function):
-    """The registered ops' autograd without the dispatcher, for plain eager calls (as for
-    softmax: dispatch glue costs more than small kernels). A double backward goes through
-    the registered backward op, which carries its own gradient."""
-
-    @staticmethod
-    def forward(ctx, v: _Variant, x, residual, normalized_shape, weight, bias, eps, offset):
-        outputs = _forward(v, x, residual, normalized_shape, weight, bias, eps, offset)
-        _save_for_backward(ctx, v, x, normalized_shape, weight, bias, eps, offset, outputs)
-        ctx.variant = v
-        _, _, mean, rstd = v.split_outputs(outputs)
-        ctx.mark_non_differentiable(*(s for s in (mean, rstd) if s is not None))
-        return outputs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        v = ctx.variant
-        weight_grads = ctx.needs_input_grad[4] or ctx.needs_input_grad[5]
-        run = getattr(torch.ops.kernelforge, v.backward_name) if torch.is_grad_enabled() else _backward_impl(v)
-        grads = _input_grads(ctx, v, grads, run, weight_grads)
-        if not v.residual:  # this Function always has a residual slot
-            grads = grads[:1] + (None,) + grads[1:]
-        return (None,) + grads
-
-
-# ----------------------------------------------------------------------------- registration
-def _define_backward(rms: bool):
-    name = "rms_norm_backward" if rms else "layer_norm_backward"
-    stats = "Tensor rstd" if rms else "Tensor mean, Tensor rstd"
-    schema = (f"(Tensor grad_y, Tensor? grad_residual, Tensor h, int[] normalized_shape, Tensor? weight, "
-              f"Tensor? bias, {stats}, float eps, float offset, bool weight_grads) -> Tensor[]")
-    v = RMS_NORM if rms else LAYER_NORM
-    op = torch.library.custom_op(f"kernelforge::{name}", _backward_impl(v), mutates_args=(), schema=schema)
-
-    if rms:
         def fake(gy, gr, h, ns, w, b, rstd, eps, offset, wg):
             return _fake_backward(name, gy, gr, h, ns, w, b, None, rstd, wg)
     else:
+        def impl(gy, gr, h, ns, w, b, mean, rstd, eps, offset, wg):
+            return _backward(name, gy, gr, h, ns, w, b, mean, rstd, offset, wg)
+
         def fake(gy, gr, h, ns, w, b, mean, rstd, eps, offset, wg):
             return _fake_backward(name, gy, gr, h, ns, w, b, mean, rstd, wg)
-    op.register_fake(fake)
+
+    def choose(gy, gr, h, ns, w, b, *stats_and_flags):
+        return _choose(h, w, b, math.prod(ns), backward=True)
 
     def setup_context(ctx, inputs, output):
         grad_y, grad_residual, h, normalized_shape, weight, bias = inputs[:6]
         eps, offset, weight_grads = inputs[-3:]
         ctx.save_for_backward(grad_y, grad_residual, h, weight, bias)
         ctx.normalized_shape, ctx.eps, ctx.offset, ctx.rms, ctx.weight_grads = (
-            normalized_shape, eps, offset, rms, weight_grads)
+            normalized_shape, eps, offset, v.rms, weight_grads)
 
-    op.register_autograd(_double_backward, setup_context=setup_context)
-    return op
+    return define_op(schema, impl, fake, choose=choose, setup_context=setup_context, backward=_double_backward)
 
 
-def _define_forward(v: _Variant, backward_op):
+def _define_forward(v: _Variant, backward_op: Op) -> Op:
     residual_arg = "Tensor residual, " if v.residual else ""
     n_outputs = 1 + v.residual + (not v.rms) + 1
-    schema = (f"(Tensor x, {residual_arg}int[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
-              f"float offset) -> ({', '.join(['Tensor'] * n_outputs)})")
+    schema = (f"kernelforge::{v.name}(Tensor x, {residual_arg}int[] normalized_shape, Tensor? weight, "
+              f"Tensor? bias, float eps, float offset) -> ({', '.join(['Tensor'] * n_outputs)})")
     if v.residual:
-        def forward(x, residual, normalized_shape, weight, bias, eps, offset):
+        def impl(x, residual, normalized_shape, weight, bias, eps, offset):
             return _forward(v, x, residual, normalized_shape, weight, bias, eps, offset)
 
         def fake(x, residual, normalized_shape, weight, bias, eps, offset):
             return _fake_forward(v, x, residual, normalized_shape, weight, bias, eps, offset)
+
+        def choose(x, residual, normalized_shape, weight, bias, eps, offset):
+            return _choose(x, weight, bias, math.prod(normalized_shape), backward=False)
     else:
-        def forward(x, normalized_shape, weight, bias, eps, offset):
+        def impl(x, normalized_shape, weight, bias, eps, offset):
             return _forward(v, x, None, normalized_shape, weight, bias, eps, offset)
 
         def fake(x, normalized_shape, weight, bias, eps, offset):
             return _fake_forward(v, x, None, normalized_shape, weight, bias, eps, offset)
 
-    op = torch.library.custom_op(f"kernelforge::{v.name}", forward, mutates_args=(), schema=schema)
-    op.register_fake(fake)
-    weight_index = 2 + v.residual
+        def choose(x, normalized_shape, weight, bias, eps, offset):
+            return _choose(x, weight, bias, math.prod(normalized_shape), backward=False)
+
+    weight_index = 2 + v.residual  # of weight in the op's arguments; bias follows it
 
     def setup_context(ctx, inputs, output):
         x, normalized_shape, weight, bias, eps, offset = (inputs[0],) + tuple(inputs[1 + v.residual:])
-        _save_for_backward(ctx, v, x, normalized_shape, weight, bias, eps, offset, output)
+        _, residual_out, mean, rstd = v.split_outputs(output)
+        ctx.save_for_backward(residual_out if v.residual else x, weight, bias, mean, rstd)
+        ctx.normalized_shape, ctx.eps, ctx.offset = normalized_shape, eps, offset
+        # the statistics are for the backward, not values to differentiate
+        ctx.mark_non_differentiable(*(s for s in (mean, rstd) if s is not None))
+        # an unused output's gradient comes as None, not zeros: an add_ form whose residual_out
+        # gets no gradient then adds none in the backward kernel
+        ctx.set_materialize_grads(False)
 
     def backward(ctx, *grads):
         weight_grads = ctx.needs_input_grad[weight_index] or ctx.needs_input_grad[weight_index + 1]
         return _input_grads(ctx, v, grads, backward_op, weight_grads)
 
-    op.register_autograd(backward, setup_context=setup_context)
-    return op
+    return define_op(schema, impl, fake, choose=choose, setup_context=setup_context, backward=backward)
 
 
-layer_norm_backward_op = _define_backward(rms=False)
-rms_norm_backward_op = _define_backward(rms=True)
+layer_norm_backward_op = _define_backward(LAYER_NORM)
+rms_norm_backward_op = _define_backward(RMS_NORM)
 layer_norm_op = _define_forward(LAYER_NORM, layer_norm_backward_op)
 add_layer_norm_op = _define_forward(ADD_LAYER_NORM, layer_norm_backward_op)
 rms_norm_op = _define_forward(RMS_NORM, rms_norm_backward_op)
@@ -426,30 +408,24 @@ add_rms_norm_op = _define_forward(ADD_RMS_NORM, rms_norm_backward_op)
 
 
 # ----------------------------------------------------------------------------- public API
-def _call(v: _Variant, x, residual, weight, bias, eps, offset, normalized_shape):
-    check_floating(v.name, "x", x, FLOAT_DTYPES)
+# torch.nn.RMSNorm's default eps (torch.finfo(x.dtype).eps), without finfo's cost a call
+_DEFAULT_EPS = {dtype: torch.finfo(dtype).eps for dtype in FLOAT_DTYPES}
+
+
+def _call(op: Op, v: _Variant, x, residual, weight, bias, eps, offset, normalized_shape):
+    """The public functions' argument defaults, then the op; its checks are the op's own."""
     if normalized_shape is None:
         if x.dim() == 0:
+            check_floating(v.name, "x", x, FLOAT_DTYPES)  # a bad dtype is reported first, as the op does
             raise ValueError(f"kernelforge.{v.name}: x must have at least one dim, got a 0-dim tensor")
         param = weight if weight is not None else bias
         normalized_shape = tuple(param.shape) if param is not None else (x.shape[-1],)
     normalized_shape = [int(s) for s in normalized_shape] if not isinstance(normalized_shape, int) else [normalized_shape]
-    if eps is None:  # torch.nn.RMSNorm's default
-        eps = torch.finfo(x.dtype).eps
-    eps, offset = float(eps), float(offset)
-    if plain_eager_call(x, residual, weight, bias):
-        needs_grad = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (x, residual, weight, bias))
-        if needs_grad:
-            outputs = _EagerNorm.apply(v, x, residual, normalized_shape, weight, bias, eps, offset)
-        else:
-            outputs = _forward(v, x, residual, normalized_shape, weight, bias, eps, offset)
-    else:
-        op = getattr(torch.ops.kernelforge, v.name)
-        args = (x, residual) if v.residual else (x,)
-        outputs = op(*args, normalized_shape, weight, bias, eps, offset)
-    y, residual_out, _, _ = v.split_outputs(outputs)
-    return (y, residual_out) if v.residual else y
+    if eps is None:  # an x of another dtype gets 0.0 here and the op's dtype error
+        eps = _DEFAULT_EPS.get(x.dtype, 0.0)
+    args = (x, residual) if v.residual else (x,)
+    outputs = op(*args, normalized_shape, weight, bias, float(eps), float(offset))
+    return (outputs[0], outputs[1]) if v.residual else outputs[0]
 
 
 def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
@@ -457,14 +433,14 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Opt
     """Layer norm over the trailing dims of `normalized_shape` (default: weight's shape, else
     the last dim): (x - mean) / sqrt(var + eps) * (weight + offset) + bias, in float32 for
     low-precision inputs. weight and bias are optional; differentiable in all of them."""
-    return _call(LAYER_NORM, x, None, weight, bias, eps, offset, normalized_shape)
+    return _call(layer_norm_op, LAYER_NORM, x, None, weight, bias, eps, offset, normalized_shape)
 
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: Optional[float] = None,
              offset: float = 0.0, *, bias: Optional[torch.Tensor] = None, normalized_shape=None) -> torch.Tensor:
     """RMS norm: x / sqrt(mean(x^2) + eps) * (weight + offset) (+ bias). offset=1.0 is Gemma's
     x * (1 + w); eps=None takes torch.finfo(x.dtype).eps, as torch.nn.RMSNorm does."""
-    return _call(RMS_NORM, x, None, weight, bias, eps, offset, normalized_shape)
+    return _call(rms_norm_op, RMS_NORM, x, None, weight, bias, eps, offset, normalized_shape)
 
 
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor] = None,
@@ -472,14 +448,14 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: Optional[tor
                    offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(layer_norm(x + residual), x + residual) in one pass: the pre-norm transformer's
     residual stream. The sum is rounded to x's dtype and normalized as stored."""
-    return _call(ADD_LAYER_NORM, x, residual, weight, bias, eps, offset, normalized_shape)
+    return _call(add_layer_norm_op, ADD_LAYER_NORM, x, residual, weight, bias, eps, offset, normalized_shape)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor] = None,
                  eps: Optional[float] = None, offset: float = 0.0, *, bias: Optional[torch.Tensor] = None,
                  normalized_shape=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) in one pass; see add_layer_norm."""
-    return _call(ADD_RMS_NORM, x, residual, weight, bias, eps, offset, normalized_shape)
+    return _call(add_rms_norm_op, ADD_RMS_NORM, x, residual, weight, bias, eps, offset, normalized_shape)
 
 
 __all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm"]

@@ -25,6 +25,10 @@ Backward (dh = rstd * (g - mean(g) - xhat * mean(g*xhat)), g = dy * w; RMS drops
       per row; then a 2-D grid of (column chunk, row group) programs re-reads dy and h,
       writes dh and accumulates the partials of its chunk. Bytes: 4*R*n*E read + R*n*E
       written at worst (the price of rows longer than registers hold).
+The launchers only allocate outputs and partial buffers and launch plain @triton.jit kernels
+through kernelforge.triton._launch.launch: torch.compile traces them (kernelforge.ops._opdef),
+and Inductor launches the kernels itself. Keep them so (no data_ptr, .item(), in-place writes
+to inputs or host syncs), else register the backend non-traceable.
 """
 from __future__ import annotations
 
@@ -338,6 +342,21 @@ def default_config(n_rows: int, n_cols: int, backward: bool = False, rms: bool =
     return NormConfig(False, 1, CHUNK_COLS, CHUNK_WARPS)
 
 
+def _config_sizes(n_rows, n_cols) -> tuple[int, int]:
+    """(n_rows, n_cols) as default_config reads them, plain ints. Under torch.compile's dynamic
+    shapes the sizes are symbolic (and hash into no lru_cache). A config depends on n_rows only
+    through min(next_power_of_2(n_rows), ROW_TILE_ELEMS // block_n), found here by comparisons:
+    guards on that bucket, not on n_rows. n_cols fixes the tile width, a constexpr: specialized."""
+    n_cols = n_cols if type(n_cols) is int else int(n_cols)
+    if type(n_rows) is not int:
+        cap = ROW_TILE_ELEMS // next_power_of_2(n_cols)
+        bucket = 1
+        while bucket < cap and bucket < n_rows:
+            bucket *= 2
+        n_rows = bucket
+    return n_rows, n_cols
+
+
 # ----------------------------------------------------------------------------- launchers
 def _or(t: Optional[torch.Tensor], stand_in: torch.Tensor) -> torch.Tensor:
     # Absent operands are switched off by a constexpr flag; the kernel still wants a pointer.
@@ -358,7 +377,7 @@ def norm_forward_rows(x2d, residual2d, weight, bias, eps: float, rms: bool, offs
     residual_out = None if residual2d is None else torch.empty_like(y)
     mean = None if rms else torch.empty(n_rows, dtype=torch.float32, device=device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=device)
-    cfg = config or default_config(n_rows, n_cols)
+    cfg = config or default_config(*_config_sizes(n_rows, n_cols))
     operands = (x2d, _or(residual2d, x2d), _or(weight, x2d), _or(bias, x2d), y, _or(residual_out, y),
                 _or(mean, rstd), rstd)
     flags = dict(RMS=rms, HAS_RESIDUAL=residual2d is not None, HAS_WEIGHT=weight is not None,
@@ -392,7 +411,7 @@ def norm_backward_rows(grad_y2d, grad_residual2d, h2d, weight, bias_present: boo
     dh = torch.empty((n_rows, n_cols), dtype=h2d.dtype, device=device)
     weight_grad = need_weight_grad and weight is not None
     bias_grad = need_weight_grad and bias_present
-    cfg = config or default_config(n_rows, n_cols, backward=True, rms=rms)
+    cfg = config or default_config(*_config_sizes(n_rows, n_cols), backward=True, rms=rms)
     target_programs = PROGRAMS_PER_SM * sm_count(device)
     if cfg.fused:
         n_tiles = cdiv(n_rows, cfg.block_m)
