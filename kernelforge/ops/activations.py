@@ -1,6 +1,7 @@
 """Activations (gelu, gelu_tanh, silu, relu) and bias + activation: schemas, input checks,
-fake implementations, autograd, dispatch. Gated activations (swiglu, geglu) build on
-these helpers in kernelforge/ops/gated_activations.py.
+fake implementations, autograd, dispatch, each op defined once (kernelforge.ops._opdef).
+Gated activations (swiglu, geglu) build on these helpers in
+kernelforge/ops/gated_activations.py.
 
 Registered ops (each with a fake implementation and autograd; kind is one of
 "gelu", "gelu_tanh", "silu", "relu"):
@@ -12,11 +13,14 @@ Registered ops (each with a fake implementation and autograd; kind is one of
         -> (Tensor, Tensor)                 grad_x and grad_bias in one pass
 
 Two backward ops for one forward because a custom op cannot return an optional tensor:
-the bias gradient comes from its own op when autograd asks for it.
+the bias gradient comes from its own op when autograd asks for it. The Op objects
+(activation_op, activation_backward_op, bias_activation_backward_op) are the calls to make:
+direct in plain eager mode, the registered op elsewhere.
 
 Backends (registry "activation": act_forward_rows, act_backward_rows): triton, cuda
 (gelu and gelu_tanh), reference. See kernelforge/reference/activations.py for the
-launcher interface.
+launcher interface. Under torch.compile the Triton kernels and the reference are traced into
+the graph (Inductor launches the kernels); the CUDA extension stays one opaque op.
 
 Layout: elementwise without a bias, so rows run along x's unit-stride dim (the last one
 for contiguous x): a transposed or channels-last input is a row view without a copy, and
@@ -31,8 +35,9 @@ import torch
 
 from kernelforge import backends
 from kernelforge._rows import empty_rows_output, from_rows, rows_view
-from kernelforge.ops._common import (FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, not_a_view,
-                                     plain_eager_call, require)
+from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, require
+from kernelforge.ops._opdef import define_op
+from kernelforge.reference._accumulation import accumulation_dtype
 from kernelforge.reference.activations import KINDS, activation_derivative, activation_second_derivative
 
 OP = "activation"  # backend registry name (kernelforge.explain(OP, x, bias=..., kind=...))
@@ -98,18 +103,19 @@ backends.register(OP, "reference", "kernelforge.reference.activations", _why_not
 backends.set_preference(OP, _preference, _choice_key)
 
 
-def _launchers(x: torch.Tensor, bias: Optional[torch.Tensor], kind: str):
-    return backends.select(OP, x, bias=bias, kind=kind).implementation.launchers()
+def _choose(x: torch.Tensor, bias: Optional[torch.Tensor], kind: str) -> backends.Choice:
+    return backends.select(OP, x, bias=bias, kind=kind)
 
 
 # ----------------------------------------------------------------------------- checks
-def _check_kind(name: str, kind: str) -> None:
+# check_kind, check_same_as, row_dim, save_inputs_and_kind and gelu_kind serve the gated ops too.
+def check_kind(name: str, kind: str) -> None:
     if kind not in KINDS:
         raise ValueError(f"kernelforge.{name}: kind must be one of {KINDS}, got {kind!r}")
 
 
 def _act_name(kind: str, bias: Optional[torch.Tensor]) -> str:
-    _check_kind(OP, kind)
+    check_kind(OP, kind)
     return ("bias_" if bias is not None else "") + _ACT_NAMES[kind]
 
 
@@ -127,14 +133,14 @@ def _check_activation(name: str, x: torch.Tensor, bias: Optional[torch.Tensor]) 
     )
 
 
-def _check_same_as(name: str, names: tuple[str, str], a: torch.Tensor, b: torch.Tensor) -> None:
+def check_same_as(name: str, names: tuple[str, str], a: torch.Tensor, b: torch.Tensor) -> None:
     check_same(name, "device", names, (a.device, b.device))
     check_same(name, "dtype", names, (a.dtype, b.dtype))
     check_same(name, "shape", names, (tuple(a.shape), tuple(b.shape)))
 
 
 # ----------------------------------------------------------------------------- layouts
-def _row_dim(x: torch.Tensor) -> int:
+def row_dim(x: torch.Tensor) -> int:
     """The dim rows run along for an elementwise op: the last, unless x's unit-stride dim is
     another one (transposed, channels-last): then that one, so the row view needs no copy."""
     last = max(x.dim() - 1, 0)
@@ -147,115 +153,63 @@ def _row_dim(x: torch.Tensor) -> int:
 
 
 def _activation_dim(x: torch.Tensor, bias: Optional[torch.Tensor]) -> int:
-    return _row_dim(x) if bias is None else x.dim() - 1
+    return row_dim(x) if bias is None else x.dim() - 1
 
 
 # ----------------------------------------------------------------------------- implementations
-# What the registered ops compute (and the eager fast path calls directly).
+# What the ops compute: the eager call runs these directly, the registered ops through torch.ops,
+# and torch.compile traces them (for a traceable backend).
 def _activation(x: torch.Tensor, bias: Optional[torch.Tensor], kind: str) -> torch.Tensor:
     name = _act_name(kind, bias)
     _check_activation(name, x, bias)
     dim = _activation_dim(x, bias)
     if x.numel() == 0:
         return empty_rows_output(x, dim)
-    launchers = _launchers(x, bias, kind)
+    launchers = _choose(x, bias, kind).implementation.launchers()
     bias = None if bias is None else bias.contiguous()
-    # not a view (ops._common.not_a_view): in-place ops on it work as on torch's outputs
-    return not_a_view(from_rows(launchers.act_forward_rows(rows_view(x, dim), bias, kind), x, dim))
+    return from_rows(launchers.act_forward_rows(rows_view(x, dim), bias, kind), x, dim)
 
 
 def _activation_backward(
     grad_output: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], kind: str, need_bias_grad: bool
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    name = _act_name(kind, bias) + "_backward"
-    _check_activation(name, x, bias)
-    _check_same_as(name, ("grad_output", "x"), grad_output, x)
-    dim = _activation_dim(x, bias)
+    dim = _check_backward(grad_output, x, bias, kind)
     if x.numel() == 0:
         grad_bias = torch.zeros_like(bias, memory_format=torch.contiguous_format) if need_bias_grad else None
         return empty_rows_output(x, dim), grad_bias
-    launchers = _launchers(x, bias, kind)
+    launchers = _choose(x, bias, kind).implementation.launchers()
     bias = None if bias is None else bias.contiguous()
     grad2d, grad_bias = launchers.act_backward_rows(rows_view(grad_output, dim), rows_view(x, dim), bias, kind, need_bias_grad)
     return from_rows(grad2d, x, dim), grad_bias
 
 
-# ----------------------------------------------------------------------------- double backward
-# Gradients of the backward ops (for create_graph=True), in plain differentiable torch ops
-# on the reference's derivatives, in float32 (float64 for float64).
-def _acc(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
-def _sum_rows(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1]).sum(0)
-
-
-def _activation_double_backward(ctx, v, bias_grad_output=None):
-    """gx = g * act'(z), z = x + b  =>  dg = v act'(z), dx = v g act''(z), db = sum_rows(dx).
-    With bias_activation_backward, gb = sum_rows(gx): its incoming gradient adds to v."""
-    grad_output, x, bias = ctx.saved_tensors
-    acc = _acc(x)
-    v = v.to(acc)
-    if bias_grad_output is not None:
-        v = v + bias_grad_output.to(acc)
-    z = x.to(acc) if bias is None else x.to(acc) + bias.to(acc)
-    d_grad = v * activation_derivative(z, ctx.kind)
-    d_x = v * grad_output.to(acc) * activation_second_derivative(z, ctx.kind)
-    d_bias = None if bias is None else _sum_rows(d_x).to(bias.dtype)
-    return d_grad.to(grad_output.dtype), d_x.to(x.dtype), d_bias, None
-
-
-def _save_all_and_kind(ctx, inputs, output):
-    ctx.save_for_backward(*(t for t in inputs if not isinstance(t, str)))
-    ctx.kind = inputs[-1]
-
-
-# ----------------------------------------------------------------------------- registration
-@torch.library.custom_op("kernelforge::activation_backward", mutates_args=())
-def activation_backward_op(grad_output: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], kind: str) -> torch.Tensor:
-    return _activation_backward(grad_output, x, bias, kind, need_bias_grad=False)[0]
-
-
-@activation_backward_op.register_fake
-def _(grad_output, x, bias, kind):
+def _check_backward(grad_output: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], kind: str) -> int:
+    """The backward ops' checks; returns the dim rows run along."""
     name = _act_name(kind, bias) + "_backward"
     _check_activation(name, x, bias)
-    _check_same_as(name, ("grad_output", "x"), grad_output, x)
-    return empty_rows_output(x, _activation_dim(x, bias))
+    check_same_as(name, ("grad_output", "x"), grad_output, x)
+    return _activation_dim(x, bias)
 
 
-activation_backward_op.register_autograd(_activation_double_backward, setup_context=_save_all_and_kind)
-
-
-@torch.library.custom_op("kernelforge::bias_activation_backward", mutates_args=())
-def bias_activation_backward_op(
-    grad_output: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, kind: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _activation_backward(grad_output, x, bias, kind, need_bias_grad=True)
-
-
-@bias_activation_backward_op.register_fake
-def _(grad_output, x, bias, kind):
-    name = _act_name(kind, bias) + "_backward"
-    _check_activation(name, x, bias)
-    _check_same_as(name, ("grad_output", "x"), grad_output, x)
-    return empty_rows_output(x, _activation_dim(x, bias)), torch.empty_like(bias, memory_format=torch.contiguous_format)
-
-
-bias_activation_backward_op.register_autograd(
-    lambda ctx, v, w: _activation_double_backward(ctx, v, w), setup_context=_save_all_and_kind)
-
-
-@torch.library.custom_op("kernelforge::activation", mutates_args=())
-def activation_op(x: torch.Tensor, bias: Optional[torch.Tensor], kind: str) -> torch.Tensor:
-    return _activation(x, bias, kind)
-
-
-@activation_op.register_fake
-def _(x, bias, kind):
+def _fake_activation(x: torch.Tensor, bias: Optional[torch.Tensor], kind: str) -> torch.Tensor:
     _check_activation(_act_name(kind, bias), x, bias)
     return empty_rows_output(x, _activation_dim(x, bias))
+
+
+def _fake_activation_backward(grad_output, x, bias, kind) -> torch.Tensor:
+    return empty_rows_output(x, _check_backward(grad_output, x, bias, kind))
+
+
+def _fake_bias_activation_backward(grad_output, x, bias, kind) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_x = empty_rows_output(x, _check_backward(grad_output, x, bias, kind))
+    return grad_x, torch.empty_like(bias, memory_format=torch.contiguous_format)
+
+
+# ----------------------------------------------------------------------------- gradients
+def save_inputs_and_kind(ctx, inputs, output) -> None:
+    """setup_context of every activation op (the gated ones too): the tensor inputs, and the kind."""
+    ctx.save_for_backward(*(t for t in inputs if not isinstance(t, str)))
+    ctx.kind = inputs[-1]
 
 
 def _activation_grad(ctx, grad_output):
@@ -266,76 +220,82 @@ def _activation_grad(ctx, grad_output):
     return activation_backward_op(grad_output, x, bias, ctx.kind), None, None
 
 
-activation_op.register_autograd(_activation_grad, setup_context=_save_all_and_kind)
+def _sum_rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1]).sum(0)
+
+
+# Gradients of the backward ops (for create_graph=True), in plain differentiable torch ops
+# on the reference's derivatives, in float32 (float64 for float64).
+def _activation_double_backward(ctx, v, bias_grad_output=None):
+    """gx = g * act'(z), z = x + b  =>  dg = v act'(z), dx = v g act''(z), db = sum_rows(dx).
+    With bias_activation_backward, gb = sum_rows(gx): its incoming gradient adds to v."""
+    grad_output, x, bias = ctx.saved_tensors
+    acc = accumulation_dtype(x.dtype)
+    v = v.to(acc)
+    if bias_grad_output is not None:
+        v = v + bias_grad_output.to(acc)
+    z = x.to(acc) if bias is None else x.to(acc) + bias.to(acc)
+    d_grad = v * activation_derivative(z, ctx.kind)
+    d_x = v * grad_output.to(acc) * activation_second_derivative(z, ctx.kind)
+    d_bias = None if bias is None else _sum_rows(d_x).to(bias.dtype)
+    return d_grad.to(grad_output.dtype), d_x.to(x.dtype), d_bias, None
+
+
+# ----------------------------------------------------------------------------- definitions
+activation_backward_op = define_op(
+    "kernelforge::activation_backward(Tensor grad_output, Tensor x, Tensor? bias, str kind) -> Tensor",
+    impl=lambda grad_output, x, bias, kind: _activation_backward(grad_output, x, bias, kind, False)[0],
+    fake=_fake_activation_backward,
+    choose=lambda grad_output, x, bias, kind: _choose(x, bias, kind),
+    setup_context=save_inputs_and_kind, backward=_activation_double_backward)
+
+bias_activation_backward_op = define_op(
+    "kernelforge::bias_activation_backward(Tensor grad_output, Tensor x, Tensor bias, str kind) -> (Tensor, Tensor)",
+    impl=lambda grad_output, x, bias, kind: _activation_backward(grad_output, x, bias, kind, True),
+    fake=_fake_bias_activation_backward,
+    choose=lambda grad_output, x, bias, kind: _choose(x, bias, kind),
+    setup_context=save_inputs_and_kind, backward=_activation_double_backward)
+
+activation_op = define_op(
+    "kernelforge::activation(Tensor x, Tensor? bias, str kind) -> Tensor",
+    impl=_activation, fake=_fake_activation, choose=_choose,
+    setup_context=save_inputs_and_kind, backward=_activation_grad)
 
 
 # ----------------------------------------------------------------------------- public functions
-def _gelu_kind(name: str, approximate: str) -> str:
+def gelu_kind(name: str, approximate: str) -> str:
+    """The kind for gelu's `approximate` ("none" or "tanh"), named in the message as `name`."""
     if approximate not in ("none", "tanh"):
         raise ValueError(f"kernelforge.{name}: approximate must be 'none' or 'tanh', got {approximate!r}")
     return "gelu_tanh" if approximate == "tanh" else "gelu"
 
 
-# ----------------------------------------------------------------------------- eager fast path
-# In plain eager mode (kernelforge.ops._common.plain_eager_call) the public functions skip
-# the dispatcher, whose Python custom-op glue costs more than these kernels at small
-# shapes. The autograd.Functions below run the same implementations and reuse the
-# registered ops' gradient functions (which read only ctx.saved_tensors, ctx.kind and
-# ctx.needs_input_grad), so a double backward goes through the registered backward ops.
-def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-class _EagerActivation(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, bias, kind):
-        _save_all_and_kind(ctx, (x, bias, kind), None)
-        return _activation(x, bias, kind)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        if torch.is_grad_enabled():  # create_graph=True: the registered ops carry gradients
-            return _activation_grad(ctx, grad_output)
-        x, bias = ctx.saved_tensors
-        need_bias_grad = bias is not None and ctx.needs_input_grad[1]
-        grad_x, grad_bias = _activation_backward(grad_output, x, bias, ctx.kind, need_bias_grad)
-        return grad_x, grad_bias, None
-
-
-def _call_activation(x: torch.Tensor, bias: Optional[torch.Tensor], kind: str) -> torch.Tensor:
-    if not plain_eager_call(x, bias):
-        return torch.ops.kernelforge.activation(x, bias, kind)
-    if _needs_grad(x, bias):
-        return _EagerActivation.apply(x, bias, kind)
-    return _activation(x, bias, kind)
-
-
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """GELU, x * Phi(x) (erf form), or with approximate="tanh" torch's tanh approximation.
     Any rank and layout; float32 math; differentiable; works under torch.compile."""
-    return _call_activation(x, None, _gelu_kind("gelu", approximate))
+    return activation_op(x, None, gelu_kind("gelu", approximate))
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     """SiLU (swish), x * sigmoid(x)."""
-    return _call_activation(x, None, "silu")
+    return activation_op(x, None, "silu")
 
 
 def relu(x: torch.Tensor) -> torch.Tensor:
     """ReLU, max(x, 0) (NaN stays NaN; gradient 0 at 0, as torch)."""
-    return _call_activation(x, None, "relu")
+    return activation_op(x, None, "relu")
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """gelu(x + bias) in one pass, bias of shape (x.shape[-1],); x + bias is not rounded
     on the way. The bias may have another float dtype than x (e.g. a float32 bias with
     bfloat16 activations); the result has x's dtype, the bias gradient bias's."""
-    return _call_activation(x, bias, _gelu_kind("bias_gelu", approximate))
+    return activation_op(x, bias, gelu_kind("bias_gelu", approximate))
 
 
 def bias_silu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """silu(x + bias) in one pass; see bias_gelu."""
-    return _call_activation(x, bias, "silu")
+    return activation_op(x, bias, "silu")
 
 
 __all__ = ["bias_gelu", "bias_silu", "gelu", "relu", "silu"]

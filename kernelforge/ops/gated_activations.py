@@ -1,6 +1,6 @@
 """Gated activations, act(gate) * up (swiglu: silu, geglu: gelu): schemas, input checks,
-fake implementations, autograd, dispatch. Shares kinds, checks and the eager-call
-machinery with kernelforge/ops/activations.py.
+fake implementations, autograd, dispatch, each op defined once (kernelforge.ops._opdef). Shares
+kinds, checks and the saved context with kernelforge/ops/activations.py.
 
 Registered ops (each with a fake implementation and autograd):
     kernelforge::gated_activation(Tensor gate, Tensor up, str kind) -> Tensor      act(gate) * up
@@ -16,7 +16,7 @@ gated_activation) so that its gradient is one buffer filled in place: slicing wo
 autograd allocate a zero gradient for gate_up per half and add them.
 
 Backends: registry "gated_activation" (glu_forward_rows, glu_backward_rows): triton and
-reference; the CUDA extension has no gated launchers.
+reference, both traced into a torch.compile graph; the CUDA extension has no gated launchers.
 """
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ import torch
 
 from kernelforge import backends
 from kernelforge._rows import empty_rows_output, from_rows, rows_view
-from kernelforge.ops._common import (FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, not_a_view,
-                                     plain_eager_call, require)
-from kernelforge.ops.activations import (_acc, _check_kind, _check_same_as, _gelu_kind, _needs_grad, _preference,
-                                         _row_dim, _save_all_and_kind, _why_not_reference)
+from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, require
+from kernelforge.ops._opdef import define_op
+from kernelforge.ops.activations import check_kind, check_same_as, gelu_kind, row_dim, save_inputs_and_kind
+from kernelforge.reference._accumulation import accumulation_dtype
 from kernelforge.reference.activations import activation_derivative, activation_second_derivative, activation_value
 
 GATED_OP = "gated_activation"  # backend registry name
@@ -45,22 +45,34 @@ def _why_not_triton_gated(gate: torch.Tensor, kind: str = "silu"):
     return why_unavailable(gate.device)
 
 
+def _why_not_reference(gate: torch.Tensor, kind: str = "silu"):
+    return None
+
+
+def _gated_preference(gate: torch.Tensor, kind: str = "silu"):
+    """Backend order for these inputs: Triton is the one GPU implementation."""
+    if gate.device.type != "cuda":
+        return ("reference",), "the reference is the CPU implementation"
+    return ("triton", "reference"), "Triton is the gated ops' GPU implementation (the CUDA extension has none)"
+
+
 def _gated_choice_key(gate: torch.Tensor, kind: str = "silu"):
     return gate.device.type, gate.dtype
 
 
 backends.register(GATED_OP, "triton", "kernelforge.triton.activations", _why_not_triton_gated)
 backends.register(GATED_OP, "reference", "kernelforge.reference.activations", _why_not_reference)
-backends.set_preference(GATED_OP, _preference, _gated_choice_key)
+backends.set_preference(GATED_OP, _gated_preference, _gated_choice_key)
 
 
-def _gated_launchers(gate: torch.Tensor, kind: str):
-    return backends.select(GATED_OP, gate, kind=kind).implementation.launchers()
+def _choose(gate: torch.Tensor, kind: str) -> backends.Choice:
+    """The backend for a gated op on `gate` (the packed input, for the packed ops)."""
+    return backends.select(GATED_OP, gate, kind=kind)
 
 
 def _check_gated(name: str, gate: torch.Tensor, up: torch.Tensor) -> None:
     check_floating(name, "gate", gate, FLOAT_DTYPES)
-    _check_same_as(name, ("gate", "up"), gate, up)
+    check_same_as(name, ("gate", "up"), gate, up)
 
 
 def _packed_half(name: str, gate_up: torch.Tensor) -> int:
@@ -93,59 +105,100 @@ def _check_packed_backward(name: str, grad_output: torch.Tensor, gate_up: torch.
     return half
 
 
+# ----------------------------------------------------------------------------- implementations
+# What the ops compute: the eager call runs these directly, the registered ops through torch.ops,
+# and torch.compile traces them.
 def _gated(gate: torch.Tensor, up: torch.Tensor, kind: str) -> torch.Tensor:
-    _check_kind(GATED_OP, kind)
+    check_kind(GATED_OP, kind)
     _check_gated(_GATED_NAMES[kind], gate, up)
-    dim = _row_dim(gate)
+    dim = row_dim(gate)
     if gate.numel() == 0:
         return empty_rows_output(gate, dim)
-    y2d = _gated_launchers(gate, kind).glu_forward_rows(rows_view(gate, dim), rows_view(up, dim), kind)
-    # not a view (ops._common.not_a_view): in-place ops on it work as on torch's outputs
-    return not_a_view(from_rows(y2d, gate, dim))
+    y2d = _choose(gate, kind).implementation.launchers().glu_forward_rows(rows_view(gate, dim), rows_view(up, dim), kind)
+    return from_rows(y2d, gate, dim)
+
+
+def _check_gated_backward(grad_output: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, kind: str) -> int:
+    """gated_activation_backward's checks; returns the dim rows run along."""
+    check_kind(GATED_OP, kind)
+    name = _GATED_NAMES[kind] + "_backward"
+    _check_gated(name, gate, up)
+    check_same_as(name, ("grad_output", "gate"), grad_output, gate)
+    return row_dim(gate)
 
 
 def _gated_backward(grad_output: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, kind: str):
-    _check_kind(GATED_OP, kind)
-    name = _GATED_NAMES[kind] + "_backward"
-    _check_gated(name, gate, up)
-    _check_same_as(name, ("grad_output", "gate"), grad_output, gate)
-    dim = _row_dim(gate)
+    dim = _check_gated_backward(grad_output, gate, up, kind)
     if gate.numel() == 0:
         return empty_rows_output(gate, dim), empty_rows_output(up, dim)
-    grad_gate2d, grad_up2d = _gated_launchers(gate, kind).glu_backward_rows(
+    grad_gate2d, grad_up2d = _choose(gate, kind).implementation.launchers().glu_backward_rows(
         rows_view(grad_output, dim), rows_view(gate, dim), rows_view(up, dim), kind)
     return from_rows(grad_gate2d, gate, dim), from_rows(grad_up2d, up, dim)
 
 
 def _gated_packed(gate_up: torch.Tensor, kind: str) -> torch.Tensor:
-    _check_kind(GATED_OP, kind)
+    check_kind(GATED_OP, kind)
     half = _packed_half(_GATED_NAMES[kind], gate_up)
     out_shape = _packed_out_shape(gate_up, half)
     if gate_up.numel() == 0:
         return gate_up.new_empty(out_shape)
     packed2d = rows_view(gate_up, gate_up.dim() - 1)
-    y2d = _gated_launchers(gate_up, kind).glu_forward_rows(packed2d[:, :half], packed2d[:, half:], kind)
-    return not_a_view(y2d.view(out_shape))
+    y2d = _choose(gate_up, kind).implementation.launchers().glu_forward_rows(packed2d[:, :half], packed2d[:, half:], kind)
+    return y2d.view(out_shape)
 
 
 def _gated_packed_backward(grad_output: torch.Tensor, gate_up: torch.Tensor, kind: str) -> torch.Tensor:
-    _check_kind(GATED_OP, kind)
+    check_kind(GATED_OP, kind)
     half = _check_packed_backward(_GATED_NAMES[kind] + "_backward", grad_output, gate_up)
     grad = gate_up.new_empty(gate_up.shape)
     if gate_up.numel() == 0:
         return grad
     packed2d = rows_view(gate_up, gate_up.dim() - 1)
     grad2d = grad.view(-1, 2 * half)
-    _gated_launchers(gate_up, kind).glu_backward_rows(
+    _choose(gate_up, kind).implementation.launchers().glu_backward_rows(
         rows_view(grad_output, grad_output.dim() - 1), packed2d[:, :half], packed2d[:, half:], kind,
         out=(grad2d[:, :half], grad2d[:, half:]))
     return grad
 
 
+def _fake_gated(gate, up, kind) -> torch.Tensor:
+    check_kind(GATED_OP, kind)
+    _check_gated(_GATED_NAMES[kind], gate, up)
+    return empty_rows_output(gate, row_dim(gate))
+
+
+def _fake_gated_backward(grad_output, gate, up, kind) -> tuple[torch.Tensor, torch.Tensor]:
+    dim = _check_gated_backward(grad_output, gate, up, kind)
+    return empty_rows_output(gate, dim), empty_rows_output(up, dim)
+
+
+def _fake_gated_packed(gate_up, kind) -> torch.Tensor:
+    check_kind(GATED_OP, kind)
+    return gate_up.new_empty(_packed_out_shape(gate_up, _packed_half(_GATED_NAMES[kind], gate_up)))
+
+
+def _fake_gated_packed_backward(grad_output, gate_up, kind) -> torch.Tensor:
+    check_kind(GATED_OP, kind)
+    _check_packed_backward(_GATED_NAMES[kind] + "_backward", grad_output, gate_up)
+    return gate_up.new_empty(gate_up.shape)
+
+
+# ----------------------------------------------------------------------------- gradients
+def _gated_grad(ctx, grad_output):
+    gate, up = ctx.saved_tensors
+    grad_gate, grad_up = gated_activation_backward_op(grad_output, gate, up, ctx.kind)
+    return grad_gate, grad_up, None
+
+
+def _gated_packed_grad(ctx, grad_output):
+    (gate_up,) = ctx.saved_tensors
+    return gated_activation_packed_backward_op(grad_output, gate_up, ctx.kind), None
+
+
 def _gated_double_backward_math(g, gate, up, v_gate, v_up, kind):
     """gg = g up act'(a), gu = g act(a), a = gate  =>
     dg = v_gate up act'(a) + v_up act(a),  da = g (v_gate up act''(a) + v_up act'(a)),  du = v_gate g act'(a)."""
-    acc = _acc(gate)
+    acc = accumulation_dtype(gate.dtype)
     g, a, u, vg, vu = (t.to(acc) for t in (g, gate, up, v_gate, v_up))
     d1 = activation_derivative(a, kind)
     d_grad = vg * u * d1 + vu * activation_value(a, kind)
@@ -168,115 +221,35 @@ def _gated_packed_double_backward(ctx, v):
     return d_grad.to(grad_output.dtype), torch.cat((d_gate, d_up), -1).to(gate_up.dtype), None
 
 
-@torch.library.custom_op("kernelforge::gated_activation_backward", mutates_args=())
-def gated_activation_backward_op(
-    grad_output: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, kind: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _gated_backward(grad_output, gate, up, kind)
+# ----------------------------------------------------------------------------- definitions
+gated_activation_backward_op = define_op(
+    "kernelforge::gated_activation_backward(Tensor grad_output, Tensor gate, Tensor up, str kind) -> (Tensor, Tensor)",
+    impl=_gated_backward, fake=_fake_gated_backward,
+    choose=lambda grad_output, gate, up, kind: _choose(gate, kind),
+    setup_context=save_inputs_and_kind, backward=_gated_double_backward)
+
+gated_activation_op = define_op(
+    "kernelforge::gated_activation(Tensor gate, Tensor up, str kind) -> Tensor",
+    impl=_gated, fake=_fake_gated, choose=lambda gate, up, kind: _choose(gate, kind),
+    setup_context=save_inputs_and_kind, backward=_gated_grad)
+
+gated_activation_packed_backward_op = define_op(
+    "kernelforge::gated_activation_packed_backward(Tensor grad_output, Tensor gate_up, str kind) -> Tensor",
+    impl=_gated_packed_backward, fake=_fake_gated_packed_backward,
+    choose=lambda grad_output, gate_up, kind: _choose(gate_up, kind),
+    setup_context=save_inputs_and_kind, backward=_gated_packed_double_backward)
+
+gated_activation_packed_op = define_op(
+    "kernelforge::gated_activation_packed(Tensor gate_up, str kind) -> Tensor",
+    impl=_gated_packed, fake=_fake_gated_packed, choose=lambda gate_up, kind: _choose(gate_up, kind),
+    setup_context=save_inputs_and_kind, backward=_gated_packed_grad)
 
 
-@gated_activation_backward_op.register_fake
-def _(grad_output, gate, up, kind):
-    _check_kind(GATED_OP, kind)
-    name = _GATED_NAMES[kind] + "_backward"
-    _check_gated(name, gate, up)
-    _check_same_as(name, ("grad_output", "gate"), grad_output, gate)
-    dim = _row_dim(gate)
-    return empty_rows_output(gate, dim), empty_rows_output(up, dim)
-
-
-gated_activation_backward_op.register_autograd(_gated_double_backward, setup_context=_save_all_and_kind)
-
-
-@torch.library.custom_op("kernelforge::gated_activation", mutates_args=())
-def gated_activation_op(gate: torch.Tensor, up: torch.Tensor, kind: str) -> torch.Tensor:
-    return _gated(gate, up, kind)
-
-
-@gated_activation_op.register_fake
-def _(gate, up, kind):
-    _check_kind(GATED_OP, kind)
-    _check_gated(_GATED_NAMES[kind], gate, up)
-    return empty_rows_output(gate, _row_dim(gate))
-
-
-def _gated_grad(ctx, grad_output):
-    gate, up = ctx.saved_tensors
-    grad_gate, grad_up = gated_activation_backward_op(grad_output, gate, up, ctx.kind)
-    return grad_gate, grad_up, None
-
-
-gated_activation_op.register_autograd(_gated_grad, setup_context=_save_all_and_kind)
-
-
-@torch.library.custom_op("kernelforge::gated_activation_packed_backward", mutates_args=())
-def gated_activation_packed_backward_op(grad_output: torch.Tensor, gate_up: torch.Tensor, kind: str) -> torch.Tensor:
-    return _gated_packed_backward(grad_output, gate_up, kind)
-
-
-@gated_activation_packed_backward_op.register_fake
-def _(grad_output, gate_up, kind):
-    _check_kind(GATED_OP, kind)
-    _check_packed_backward(_GATED_NAMES[kind] + "_backward", grad_output, gate_up)
-    return gate_up.new_empty(gate_up.shape)
-
-
-gated_activation_packed_backward_op.register_autograd(_gated_packed_double_backward, setup_context=_save_all_and_kind)
-
-
-@torch.library.custom_op("kernelforge::gated_activation_packed", mutates_args=())
-def gated_activation_packed_op(gate_up: torch.Tensor, kind: str) -> torch.Tensor:
-    return _gated_packed(gate_up, kind)
-
-
-@gated_activation_packed_op.register_fake
-def _(gate_up, kind):
-    _check_kind(GATED_OP, kind)
-    return gate_up.new_empty(_packed_out_shape(gate_up, _packed_half(_GATED_NAMES[kind], gate_up)))
-
-
-def _gated_packed_grad(ctx, grad_output):
-    (gate_up,) = ctx.saved_tensors
-    return gated_activation_packed_backward_op(grad_output, gate_up, ctx.kind), None
-
-
-gated_activation_packed_op.register_autograd(_gated_packed_grad, setup_context=_save_all_and_kind)
-
-
-class _EagerGated(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate, up, kind):
-        _save_all_and_kind(ctx, (gate, up, kind), None)
-        return _gated(gate, up, kind)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        if torch.is_grad_enabled():
-            return _gated_grad(ctx, grad_output)
-        return (*_gated_backward(grad_output, *ctx.saved_tensors, ctx.kind), None)
-
-
-class _EagerGatedPacked(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate_up, kind):
-        _save_all_and_kind(ctx, (gate_up, kind), None)
-        return _gated_packed(gate_up, kind)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        if torch.is_grad_enabled():
-            return _gated_packed_grad(ctx, grad_output)
-        return _gated_packed_backward(grad_output, *ctx.saved_tensors, ctx.kind), None
-
-
+# ----------------------------------------------------------------------------- public functions
 def _call_gated(gate: torch.Tensor, up: Optional[torch.Tensor], kind: str) -> torch.Tensor:
     if up is None:
-        if not plain_eager_call(gate):
-            return torch.ops.kernelforge.gated_activation_packed(gate, kind)
-        return _EagerGatedPacked.apply(gate, kind) if _needs_grad(gate) else _gated_packed(gate, kind)
-    if not plain_eager_call(gate, up):
-        return torch.ops.kernelforge.gated_activation(gate, up, kind)
-    return _EagerGated.apply(gate, up, kind) if _needs_grad(gate, up) else _gated(gate, up, kind)
+        return gated_activation_packed_op(gate, kind)
+    return gated_activation_op(gate, up, kind)
 
 
 def swiglu(gate: torch.Tensor, up: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -287,7 +260,7 @@ def swiglu(gate: torch.Tensor, up: Optional[torch.Tensor] = None) -> torch.Tenso
 
 def geglu(gate: torch.Tensor, up: Optional[torch.Tensor] = None, approximate: str = "none") -> torch.Tensor:
     """gelu(gate) * up (approximate as in gelu); up=None as in swiglu."""
-    return _call_gated(gate, up, _gelu_kind("geglu", approximate))
+    return _call_gated(gate, up, gelu_kind("geglu", approximate))
 
 
 __all__ = ["geglu", "swiglu"]

@@ -39,6 +39,11 @@ Accuracy notes:
   on NVIDIA today; the explicit libdevice call keeps the GPU path from depending on how a
   Triton version lowers math.erf.
 
+torch.compile: every launch goes through kernelforge.triton._launch.launch with a plain
+@triton.jit kernel, and the launchers write only tensors they allocate (or the `out` buffers
+their caller allocated), so on traced tensors the launches enter the graph and Inductor runs
+the kernels itself.
+
 Launchers run on the current CUDA stream of the input's device (Triton's launcher asks
 torch for it), and on CPU tensors under TRITON_INTERPRET=1.
 """
@@ -266,13 +271,29 @@ class TileConfig:
         return cdiv(n_rows, self.block_m), cdiv(n_cols, self.block_n)
 
 
-@functools.lru_cache(maxsize=4096)  # on every launch; a pure function of a few ints
-def default_config(n_rows: int, n_cols: int) -> TileConfig:
+def _capped_power_of_2(n, cap: int) -> int:
+    """min(next_power_of_2(n), cap), cap a power of two. Under torch.compile's dynamic shapes
+    n is a SymInt: a size of at least `cap` only adds a guard (n >= cap); a smaller one is
+    specialized, as its tile must be."""
+    return cap if n >= cap else next_power_of_2(int(n))
+
+
+def _config(n_rows, n_cols) -> TileConfig:
     if n_rows == 1:
-        return TileConfig(1, min(next_power_of_2(n_cols), FLAT_TILE_ELEMS), FLAT_WARPS)
-    block_n = min(next_power_of_2(n_cols), MAX_BLOCK_N)
-    block_m = max(1, min(ROW_TILE_ELEMS // block_n, next_power_of_2(n_rows)))
+        return TileConfig(1, _capped_power_of_2(n_cols, FLAT_TILE_ELEMS), FLAT_WARPS)
+    block_n = _capped_power_of_2(n_cols, MAX_BLOCK_N)
+    block_m = max(1, _capped_power_of_2(n_rows, ROW_TILE_ELEMS // block_n))
     return TileConfig(block_m, block_n, NUM_WARPS if block_m * block_n >= 2048 else 4)
+
+
+_cached_config = functools.lru_cache(maxsize=4096)(_config)  # on every eager launch: a pure function of two ints
+
+
+def default_config(n_rows: int, n_cols: int) -> TileConfig:
+    """The tile for a (n_rows, n_cols) launch (sizes may be SymInts while torch.compile traces)."""
+    if type(n_rows) is int and type(n_cols) is int:
+        return _cached_config(n_rows, n_cols)
+    return _config(n_rows, n_cols)
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -334,8 +355,10 @@ def act_backward_rows(
     with on_device(x2d):
         launch(
             _act_bwd_kernel, (row_programs * col_blocks,),
+            # unused pointers get an input (never an output: traced, a tensor passed twice where
+            # one is written could be taken for two outputs)
             g_view, x_view, bias if bias is not None else x_view, dx_view,
-            partial if bias_grad else dx_view, n_rows, n_cols,
+            partial if bias_grad else g_view, n_rows, n_cols,
             g_view.stride(0), x_view.stride(0), dx_view.stride(0), col_blocks, row_programs,
             KIND=kind, HAS_BIAS=bias is not None, BIAS_GRAD=bias_grad, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, PRECISE=not interpreter_enabled(), num_warps=cfg.num_warps,
