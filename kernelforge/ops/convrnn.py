@@ -7,10 +7,11 @@ x (batch, time, features), kernel (1, 1, K) with K odd, hidden (batch, features)
 dtype and one device; out (batch, time, features) holds h_1..h_T. Definition and backward
 formulas: kernelforge/reference/convrnn.py.
 
-Registered ops (each with a fake implementation):
+Ops (kernelforge.ops._opdef.define_op: a fake, autograd, the lean eager call):
     kernelforge::convrnn(Tensor x, Tensor kernel, Tensor hidden) -> (Tensor, Tensor)
     kernelforge::convrnn_backward(Tensor grad_out, Tensor grad_h, Tensor kernel, Tensor hidden,
                                   Tensor out) -> (Tensor, Tensor, Tensor)
+Launch ops of the CUDA backend (torch.library.define; launchers, not op definitions):
     kernelforge::convrnn_cuda_forward / convrnn_cuda_backward: the same two signatures, the
         CUDA backend. Their schemas and fakes are defined here, once; their CUDA kernels are
         registered from C++ (TORCH_LIBRARY_IMPL in kernelforge/cuda/csrc/convrnn_binding.cpp)
@@ -18,6 +19,10 @@ Registered ops (each with a fake implementation):
         on machines that cannot build the extension.
 
 The backward op has no gradient of its own: create_graph=True through convrnn raises.
+
+Under torch.compile the ops decompose into the Triton kernels (Inductor launches them) or the
+reference's torch ops, whichever the choice is; a choice of the CUDA backend keeps the op whole
+(its launch op is opaque). While tracing, the Triton kernels rank ahead of the CUDA ones.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import torch
 
 from kernelforge import backends
 from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same
+from kernelforge.ops._opdef import define_op
 
 OP = "convrnn"
 NAME = "convrnn"
@@ -128,28 +134,30 @@ for _name, _schema, _fake in (
     torch.library.register_fake(f"kernelforge::{_name}", _fake)
 
 
-@torch.library.custom_op("kernelforge::convrnn_backward", mutates_args=())
-def convrnn_backward_op(grad_out: torch.Tensor, grad_h: torch.Tensor, kernel: torch.Tensor, hidden: torch.Tensor,
-                        out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _forward(x: torch.Tensor, kernel: torch.Tensor, hidden: torch.Tensor):
+    _check(x, kernel, hidden)
+    return _choose(x, kernel).implementation.launchers().convrnn_forward(x, kernel, hidden)
+
+
+def _backward(grad_out, grad_h, kernel, hidden, out):
     _check_backward(grad_out, grad_h, kernel, hidden, out)
-    launchers = backends.select(OP, out, kernel, backward=True).implementation.launchers()
+    launchers = _choose(out, kernel, backward=True).implementation.launchers()
     return tuple(t.contiguous() for t in launchers.convrnn_backward(grad_out, grad_h, kernel, hidden, out))
 
 
-convrnn_backward_op.register_fake(_fake_backward)
+def _choose(x: torch.Tensor, kernel: torch.Tensor, backward: bool = False) -> backends.Choice:
+    return backends.select(OP, x, kernel, backward=backward)
 
 
-@torch.library.custom_op("kernelforge::convrnn", mutates_args=())
-def convrnn_op(x: torch.Tensor, kernel: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    _check(x, kernel, hidden)
-    launchers = backends.select(OP, x, kernel).implementation.launchers()
-    return launchers.convrnn_forward(x, kernel, hidden)
+# No gradient of its own: create_graph=True through convrnn raises.
+convrnn_backward_op = define_op(
+    "kernelforge::convrnn_backward(Tensor grad_out, Tensor grad_h, Tensor kernel, Tensor hidden, Tensor out) "
+    "-> (Tensor, Tensor, Tensor)",
+    impl=_backward, fake=_fake_backward,
+    choose=lambda grad_out, grad_h, kernel, hidden, out: _choose(out, kernel, backward=True))
 
 
-convrnn_op.register_fake(_fake_forward)
-
-
-def _setup_context(ctx, inputs, output):
+def _save(ctx, inputs, output):
     _, kernel, hidden = inputs
     ctx.save_for_backward(kernel, hidden, output[0])
 
@@ -161,14 +169,18 @@ def _gradients(ctx, grad_out, grad_h):
     return convrnn_backward_op(grad_out, grad_h, kernel, hidden, out)
 
 
-convrnn_op.register_autograd(_gradients, setup_context=_setup_context)
+convrnn_op = define_op(
+    "kernelforge::convrnn(Tensor x, Tensor kernel, Tensor hidden) -> (Tensor, Tensor)",
+    impl=_forward, fake=_fake_forward,
+    choose=lambda x, kernel, hidden: _choose(x, kernel),
+    setup_context=_save, backward=_gradients)
 
 
 def convrnn(x: torch.Tensor, kernel: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, h_T) of the ConvRNN recurrence over x's time axis (see the module docstring).
     The state is carried in float32 for low-precision inputs; differentiable in x, kernel and
     hidden (backward through time); works under torch.compile."""
-    return torch.ops.kernelforge.convrnn(x, kernel, hidden)
+    return convrnn_op(x, kernel, hidden)
 
 
 convrnn_forward = convrnn  # the design documents' name

@@ -1,10 +1,10 @@
 """cross_entropy: schemas, input checks, fake implementations, autograd, dispatch.
 
-Registered ops (each with a fake implementation):
-    kernelforge::cross_entropy(Tensor logits, Tensor target, int ignore_index, float label_smoothing)
+Ops (kernelforge.ops._opdef.define_op: a fake, autograd, the lean eager call):
+    kernelforge::cross_entropy(Tensor logits, Tensor target, SymInt ignore_index, float label_smoothing)
         -> (Tensor loss, Tensor lse)
     kernelforge::cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor target, Tensor lse,
-        int ignore_index, float label_smoothing) -> Tensor
+        SymInt ignore_index, float label_smoothing) -> Tensor      (its own gradient: the double backward)
 
 Both take (rows, classes) logits and (rows,) targets and work per row: loss and lse are (rows,),
 float32 (float64 for float64 logits). The public `cross_entropy` maps torch's layouts onto rows
@@ -12,7 +12,9 @@ float32 (float64 for float64 logits). The public `cross_entropy` maps torch's la
 division by the count of targets that are not ignored is differentiated by autograd.
 
 Every backend implements the row launchers of kernelforge.reference.cross_entropy:
-`cross_entropy_forward_rows` and `cross_entropy_backward_rows`.
+`cross_entropy_forward_rows` and `cross_entropy_backward_rows`. Both backends are traceable: under
+torch.compile the ops decompose into the Triton kernels (which Inductor launches) or the reference's
+torch ops.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import torch
 
 from kernelforge import backends
 from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, require
-from kernelforge.ops._common import plain_eager_call as _plain_eager_call
+from kernelforge.ops._opdef import define_op
 from kernelforge.reference._accumulation import accumulation_dtype
 from kernelforge.reference.cross_entropy import target_masks
 
@@ -95,43 +97,42 @@ def _rows_with_unit_stride(logits: torch.Tensor) -> torch.Tensor:
     return logits if logits.stride(1) == 1 or logits.shape[1] == 1 else logits.contiguous()
 
 
-def _launchers(logits: torch.Tensor):
-    return backends.select(OP, logits).implementation.launchers()
+def _choose(logits: torch.Tensor) -> backends.Choice:
+    return backends.select(OP, logits)
 
 
 def _forward(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float):
     _check_rows(NAME, logits, target, label_smoothing)
     logits = _rows_with_unit_stride(logits)
-    return _launchers(logits).cross_entropy_forward_rows(logits, target.contiguous(), ignore_index, label_smoothing)
+    return _choose(logits).implementation.launchers().cross_entropy_forward_rows(
+        logits, target.contiguous(), ignore_index, label_smoothing)
 
 
 def _backward(grad_loss, logits, target, lse, ignore_index: int, label_smoothing: float) -> torch.Tensor:
     _check_backward(grad_loss, logits, target, lse, label_smoothing)
     logits = _rows_with_unit_stride(logits)
-    return _launchers(logits).cross_entropy_backward_rows(grad_loss, logits, target.contiguous(), lse.contiguous(),
-                                                          ignore_index, label_smoothing)
+    return _choose(logits).implementation.launchers().cross_entropy_backward_rows(
+        grad_loss, logits, target.contiguous(), lse.contiguous(), ignore_index, label_smoothing)
 
 
-class _EagerAutograd(torch.autograd.Function):
-    """The registered op's autograd, without the dispatcher, for plain eager calls. A double
-    backward (create_graph=True) goes through the registered backward op."""
+def _fake_forward(logits, target, ignore_index, label_smoothing):
+    _check_rows(NAME, logits, target, label_smoothing)
+    rows = logits.new_empty((logits.shape[0],), dtype=accumulation_dtype(logits.dtype))
+    return rows, torch.empty_like(rows)
 
-    @staticmethod
-    def forward(ctx, logits, target, ignore_index: int, label_smoothing: float):
-        loss, lse = _forward(logits, target, ignore_index, label_smoothing)
-        ctx.save_for_backward(logits, target, lse)
-        ctx.ignore_index, ctx.label_smoothing = ignore_index, label_smoothing
-        return loss
 
-    @staticmethod
-    def backward(ctx, grad_loss):
-        logits, target, lse = ctx.saved_tensors
-        args = (grad_loss, logits, target, lse, ctx.ignore_index, ctx.label_smoothing)
-        grad = torch.ops.kernelforge.cross_entropy_backward(*args) if torch.is_grad_enabled() else _backward(*args)
-        return grad, None, None, None
+def _fake_backward(grad_loss, logits, target, lse, ignore_index, label_smoothing):
+    _check_backward(grad_loss, logits, target, lse, label_smoothing)
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 # ----------------------------------------------------------------------------- double backward
+def _save_backward_inputs(ctx, inputs, output):
+    grad_loss, logits, target, _, ignore_index, label_smoothing = inputs
+    ctx.save_for_backward(grad_loss, logits, target)
+    ctx.ignore_index, ctx.label_smoothing = ignore_index, label_smoothing
+
+
 def _double_backward(ctx, grad_grad):
     """Gradients of the backward op (for create_graph=True), in plain differentiable ops. With
     p = softmax(x), s_i the row's scale (g_i, 0 if ignored) and G = s * (p - (1 - eps) e_t - eps / C):
@@ -151,55 +152,34 @@ def _double_backward(ctx, grad_grad):
     return d_grad_loss.to(grad_loss.dtype), d_logits.to(logits.dtype), None, None, None, None
 
 
-# ----------------------------------------------------------------------------- registration
-@torch.library.custom_op("kernelforge::cross_entropy_backward", mutates_args=())
-def cross_entropy_backward_op(grad_loss: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
-                              ignore_index: int, label_smoothing: float) -> torch.Tensor:
-    return _backward(grad_loss, logits, target, lse, ignore_index, label_smoothing)
+# ----------------------------------------------------------------------------- definitions
+cross_entropy_backward_op = define_op(
+    "kernelforge::cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor target, Tensor lse, "
+    "SymInt ignore_index, float label_smoothing) -> Tensor",
+    impl=_backward, fake=_fake_backward,
+    choose=lambda grad_loss, logits, target, lse, ignore_index, label_smoothing: _choose(logits),
+    setup_context=_save_backward_inputs, backward=_double_backward)
 
 
-@cross_entropy_backward_op.register_fake
-def _(grad_loss, logits, target, lse, ignore_index, label_smoothing):
-    _check_backward(grad_loss, logits, target, lse, label_smoothing)
-    return torch.empty_like(logits, memory_format=torch.contiguous_format)
-
-
-def _setup_backward_context(ctx, inputs, output):
-    grad_loss, logits, target, _, ignore_index, label_smoothing = inputs
-    ctx.save_for_backward(grad_loss, logits, target)
-    ctx.ignore_index, ctx.label_smoothing = ignore_index, label_smoothing
-
-
-cross_entropy_backward_op.register_autograd(_double_backward, setup_context=_setup_backward_context)
-
-
-@torch.library.custom_op("kernelforge::cross_entropy", mutates_args=())
-def cross_entropy_op(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
-                     label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(logits, target, ignore_index, label_smoothing)
-
-
-@cross_entropy_op.register_fake
-def _(logits, target, ignore_index, label_smoothing):
-    _check_rows(NAME, logits, target, label_smoothing)
-    rows = logits.new_empty((logits.shape[0],), dtype=accumulation_dtype(logits.dtype))
-    return rows, torch.empty_like(rows)
-
-
-def _setup_context(ctx, inputs, output):
+def _save_forward(ctx, inputs, output):
     logits, target, ignore_index, label_smoothing = inputs
     ctx.save_for_backward(logits, target, output[1])
     ctx.mark_non_differentiable(output[1])  # lse: the backward's helper, not a result to differentiate
     ctx.ignore_index, ctx.label_smoothing = ignore_index, label_smoothing
 
 
-def _grad(ctx, grad_loss, _grad_lse):
+def _gradient(ctx, grad_loss, _grad_lse):
     logits, target, lse = ctx.saved_tensors
-    return cross_entropy_backward_op(grad_loss, logits, target, lse, ctx.ignore_index, ctx.label_smoothing), \
-        None, None, None
+    grad = cross_entropy_backward_op(grad_loss, logits, target, lse, ctx.ignore_index, ctx.label_smoothing)
+    return grad, None, None, None
 
 
-cross_entropy_op.register_autograd(_grad, setup_context=_setup_context)
+cross_entropy_op = define_op(
+    "kernelforge::cross_entropy(Tensor logits, Tensor target, SymInt ignore_index, float label_smoothing) "
+    "-> (Tensor, Tensor)",
+    impl=_forward, fake=_fake_forward,
+    choose=lambda logits, target, ignore_index, label_smoothing: _choose(logits),
+    setup_context=_save_forward, backward=_gradient)
 
 
 # ----------------------------------------------------------------------------- public function
@@ -249,13 +229,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: i
         raise TypeError(f"kernelforge.{NAME}: target must hold class indices (int64 or int32); probability targets "
                         f"are not supported, got {target.dtype}")
     logits2d, target1d = _as_rows(logits, target)
-    if _plain_eager_call(logits2d, target1d):
-        if logits2d.requires_grad and torch.is_grad_enabled():
-            loss = _EagerAutograd.apply(logits2d, target1d, ignore_index, float(label_smoothing))
-        else:
-            loss = _forward(logits2d, target1d, ignore_index, float(label_smoothing))[0]
-    else:
-        loss = torch.ops.kernelforge.cross_entropy(logits2d, target1d, ignore_index, float(label_smoothing))[0]
+    loss = cross_entropy_op(logits2d, target1d, ignore_index, float(label_smoothing))[0]
     if reduction == "none":
         return loss.view(target.shape)
     if reduction == "sum":

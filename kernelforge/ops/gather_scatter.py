@@ -10,7 +10,7 @@ arrives. Definition: kernelforge/reference/gather_scatter.py. Gradients flow to 
 grad_x[src[e]] += grad_out[dst[e]] (/ in-degree of dst[e] for the mean), the same aggregation with
 src and dst swapped, which every backend runs through its forward kernel.
 
-Registered ops (each with a fake implementation and autograd):
+Ops (kernelforge.ops._opdef.define_op: a fake, autograd, the lean eager call):
     kernelforge::gather_scatter(Tensor x, Tensor src, Tensor dst, int num_nodes, str reduce) -> Tensor
     kernelforge::gather_scatter_backward(Tensor grad_output, Tensor src, Tensor dst, int num_rows,
                                          str reduce) -> Tensor
@@ -24,7 +24,10 @@ torch.use_deterministic_algorithms is on it is refused (a forced use_backend("tr
 BackendUnsupportedError) and the reference, which torch runs deterministically, is chosen.
 Indices are not range-checked on the GPU: the reference raises from index_select / index_add_,
 the Triton kernel reads and writes out of bounds (undefined, as torch's CUDA index_add_); the GNN
-model (kernelforge.models.GraphNeuralNetwork) checks ranges on the host.
+model (kernelforge.models.GraphNeuralNetwork) checks ranges on the host. Both backends are
+traceable: under torch.compile the ops decompose into the Triton kernels (their atomics add into
+float32 buffers the launcher allocates and zeroes) or the reference's torch ops; the
+deterministic-mode refusal holds there too (Dynamo guards on the setting).
 """
 from __future__ import annotations
 
@@ -33,9 +36,8 @@ import math
 import torch
 
 from kernelforge import backends
-from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, not_a_view
-from kernelforge.ops._common import plain_eager_call as _plain_eager_call
-from kernelforge.ops._common import require
+from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, require
+from kernelforge.ops._opdef import define_op
 from kernelforge.reference.gather_scatter import REDUCTIONS
 
 OP = "gather_scatter"  # the backend registry's name
@@ -127,89 +129,66 @@ def _rows_view(t: torch.Tensor) -> torch.Tensor:
     return t2d if t2d.shape[1] <= 1 or t2d.stride(1) == 1 else t2d.contiguous()
 
 
-def _launchers(t: torch.Tensor):
-    return backends.select(OP, t).implementation.launchers()
+def _choose(t: torch.Tensor) -> backends.Choice:
+    return backends.select(OP, t)
 
 
 def _forward(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, num_nodes: int, reduce: str) -> torch.Tensor:
-    """What the registered forward op computes (also called directly by the eager fast path)."""
     _check_forward(x, src, dst, num_nodes, reduce)
-    y2d = _launchers(x).gather_scatter_rows(_rows_view(x), src, dst, num_nodes, reduce == "mean")
-    # not a view (ops._common.not_a_view): in-place ops on it work as on torch's outputs
-    return not_a_view(y2d.view((num_nodes,) + tuple(x.shape[1:])))
+    y2d = _choose(x).implementation.launchers().gather_scatter_rows(_rows_view(x), src, dst, num_nodes,
+                                                                     reduce == "mean")
+    return y2d.view((num_nodes,) + tuple(x.shape[1:]))
 
 
 def _backward(grad_output: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, num_rows: int,
               reduce: str) -> torch.Tensor:
-    """What the registered backward op computes (also called by the eager fast path)."""
     _check_backward(grad_output, src, dst, num_rows, reduce)
-    grad2d = _launchers(grad_output).gather_scatter_backward_rows(_rows_view(grad_output), src, dst, num_rows,
-                                                                 reduce == "mean")
-    return not_a_view(grad2d.view((num_rows,) + tuple(grad_output.shape[1:])))
+    grad2d = _choose(grad_output).implementation.launchers().gather_scatter_backward_rows(
+        _rows_view(grad_output), src, dst, num_rows, reduce == "mean")
+    return grad2d.view((num_rows,) + tuple(grad_output.shape[1:]))
 
 
-class _EagerAutograd(torch.autograd.Function):
-    """The registered op's autograd, without the dispatcher, for plain eager calls. Same
-    implementation, same saved tensors; a double backward (create_graph=True) goes through the
-    registered backward op, which carries its own gradient."""
-
-    @staticmethod
-    def forward(ctx, x, src, dst, num_nodes: int, reduce: str):
-        y = _forward(x, src, dst, num_nodes, reduce)
-        ctx.save_for_backward(src, dst)
-        ctx.num_rows, ctx.reduce = x.shape[0], reduce
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        src, dst = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            grad = torch.ops.kernelforge.gather_scatter_backward(grad_output, src, dst, ctx.num_rows, ctx.reduce)
-        else:
-            grad = _backward(grad_output, src, dst, ctx.num_rows, ctx.reduce)
-        return grad, None, None, None, None
-
-
-# ----------------------------------------------------------------------------- registration
-def _define(name: str, schema: str, implementation, check):
-    """kernelforge::<name>(t, src, dst, rows, reduce) -> (rows, *t.shape[1:]) in t's dtype, with its fake.
-    The forward and the backward op have this one shape: each is the aggregation from one side."""
-    op = torch.library.custom_op(f"kernelforge::{name}", implementation, mutates_args=(), schema=schema)
-
-    @op.register_fake
-    def _(t, src, dst, rows, reduce):
+def _fake(check):
+    """The forward's and the backward's fake: each is the aggregation from one side,
+    (rows, *t.shape[1:]) in t's dtype."""
+    def fake(t, src, dst, rows, reduce):
         check(t, src, dst, rows, reduce)
         return t.new_empty((rows,) + tuple(t.shape[1:]))
 
-    return op
+    return fake
 
 
-gather_scatter_op = _define("gather_scatter", "(Tensor x, Tensor src, Tensor dst, int num_nodes, str reduce) -> Tensor",
-                            _forward, _check_forward)
-gather_scatter_backward_op = _define(
-    "gather_scatter_backward", "(Tensor grad_output, Tensor src, Tensor dst, int num_rows, str reduce) -> Tensor",
-    _backward, _check_backward)
-
-
-def _setup_context(ctx, inputs, output):
+# ----------------------------------------------------------------------------- definitions
+def _save(ctx, inputs, output):
     t, src, dst, _, reduce = inputs
     ctx.save_for_backward(src, dst)
     ctx.input_rows, ctx.reduce = t.shape[0], reduce
 
 
-def _gradient_by(op):
-    """Either op's gradient is the other op, back to the input's rows: the forward is out = D A x (A the
-    (num_nodes, N) edge-count matrix, D the inverse in-degrees for the mean, else I), the backward
-    A^T D g, and each is linear in its tensor, so any order of derivatives works."""
-    def grad(ctx, grad_output):
-        src, dst = ctx.saved_tensors
-        return op(grad_output, src, dst, ctx.input_rows, ctx.reduce), None, None, None, None
-
-    return grad
+# Either op's gradient is the other op, back to the input's rows: the forward is out = D A x (A the
+# (num_nodes, N) edge-count matrix, D the inverse in-degrees for the mean, else I), the backward
+# A^T D g, and each is linear in its tensor, so any order of derivatives works.
+def _forward_gradient(ctx, grad_output):
+    src, dst = ctx.saved_tensors
+    return gather_scatter_backward_op(grad_output, src, dst, ctx.input_rows, ctx.reduce), None, None, None, None
 
 
-gather_scatter_op.register_autograd(_gradient_by(gather_scatter_backward_op), setup_context=_setup_context)
-gather_scatter_backward_op.register_autograd(_gradient_by(gather_scatter_op), setup_context=_setup_context)
+def _backward_gradient(ctx, grad_grad):
+    src, dst = ctx.saved_tensors
+    return gather_scatter_op(grad_grad, src, dst, ctx.input_rows, ctx.reduce), None, None, None, None
+
+
+gather_scatter_op = define_op(
+    "kernelforge::gather_scatter(Tensor x, Tensor src, Tensor dst, int num_nodes, str reduce) -> Tensor",
+    impl=_forward, fake=_fake(_check_forward),
+    choose=lambda x, src, dst, num_nodes, reduce: _choose(x),
+    setup_context=_save, backward=_forward_gradient)
+gather_scatter_backward_op = define_op(
+    "kernelforge::gather_scatter_backward(Tensor grad_output, Tensor src, Tensor dst, int num_rows, str reduce) "
+    "-> Tensor",
+    impl=_backward, fake=_fake(_check_backward),
+    choose=lambda grad_output, src, dst, num_rows, reduce: _choose(grad_output),
+    setup_context=_save, backward=_backward_gradient)
 
 
 def gather_scatter(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, num_nodes: int,
@@ -224,8 +203,4 @@ def gather_scatter(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, num_no
     last bits vary from run to run; with torch.use_deterministic_algorithms(True) the
     deterministic reference (index_select + index_add_) runs instead."""
     _check_count(NAME, "num_nodes", num_nodes)  # before the dispatcher's own, vaguer, type error
-    if _plain_eager_call(x, src, dst):
-        if x.requires_grad and torch.is_grad_enabled():
-            return _EagerAutograd.apply(x, src, dst, num_nodes, reduce)
-        return _forward(x, src, dst, num_nodes, reduce)
-    return torch.ops.kernelforge.gather_scatter(x, src, dst, num_nodes, reduce)
+    return gather_scatter_op(x, src, dst, num_nodes, reduce)

@@ -68,14 +68,14 @@ def _taps(row, f, F, PAD: tl.constexpr, BLOCK_K: tl.constexpr, KSIZE: tl.constex
 
 
 @triton.jit
-def _row_program(W, WORK, F, KSIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_F: tl.constexpr):
+def _row_program(F, BLOCK_K: tl.constexpr, BLOCK_F: tl.constexpr):
     """What both kernels start from: this program's batch row b, the feature offsets and their
-    mask, the tap offsets and the taps (float32, 0 past KSIZE), and the row's workspace."""
+    mask, the tap offsets. No pointer goes through this call: torch.compile's analysis of which
+    tensors a kernel writes (torch.library.wrap_triton) counts every pointer argument of a call
+    whose results address a store as written (the taps, an input, would be copied back)."""
     b = tl.program_id(0)
     f = tl.arange(0, BLOCK_F)
-    j = tl.arange(0, BLOCK_K)
-    w = tl.load(W + j, mask=j < KSIZE, other=0.0).to(tl.float32)
-    return b, f, f < F, j, w, WORK + b.to(tl.int64) * 2 * BLOCK_F
+    return b, f, f < F, tl.arange(0, BLOCK_K)
 
 
 @triton.jit
@@ -85,7 +85,9 @@ def convrnn_forward_kernel(X, W, H0, OUT, HT, WORK, sxb, sxt, shb, T, F,
     """out[b, t] = h_{t+1} = tanh(x[b, t] + conv(h_t)), t = 0..T-1; HT[b] = h_T. x and h0 have
     unit feature stride; out, HT, WORK are dense; WORK is (B, 2, BLOCK_F) float32."""
     PAD: tl.constexpr = KSIZE // 2
-    b, f, inside, j, w, work = _row_program(W, WORK, F, KSIZE, BLOCK_K, BLOCK_F)
+    b, f, inside, j = _row_program(F, BLOCK_K, BLOCK_F)
+    w = tl.load(W + j, mask=j < KSIZE, other=0.0).to(tl.float32)  # the taps, 0 past KSIZE
+    work = WORK + b.to(tl.int64) * 2 * BLOCK_F  # the row's workspace
     h = tl.load(H0 + b.to(tl.int64) * shb + f, mask=inside, other=0.0).to(tl.float32)
     tl.store(work + f, h, mask=inside)
     tl.debug_barrier()
@@ -110,7 +112,9 @@ def convrnn_backward_kernel(GRAD_OUT, GRAD_H, W, H0, OUT, DX, DH0, DW_PART, WORK
     convrnn.py): dx (dense, input dtype), dh0 (dense), and this row's dkernel partial (B, BLOCK_K)
     float32 (summed over rows on the host, in a fixed order). WORK holds da_t, two rows."""
     PAD: tl.constexpr = KSIZE // 2
-    b, f, inside, j, w, work = _row_program(W, WORK, F, KSIZE, BLOCK_K, BLOCK_F)
+    b, f, inside, j = _row_program(F, BLOCK_K, BLOCK_F)
+    w = tl.load(W + j, mask=j < KSIZE, other=0.0).to(tl.float32)  # the taps, 0 past KSIZE
+    work = WORK + b.to(tl.int64) * 2 * BLOCK_F  # the row's workspace
     out_row = OUT + b.to(tl.int64) * T * F
     go_row = GRAD_OUT + b.to(tl.int64) * sgb
     g = tl.load(GRAD_H + b.to(tl.int64) * sghb + f, mask=inside, other=0.0).to(tl.float32)
@@ -135,7 +139,9 @@ def convrnn_backward_kernel(GRAD_OUT, GRAD_H, W, H0, OUT, DX, DH0, DW_PART, WORK
 
 
 def why_not(x: torch.Tensor, kernel: torch.Tensor) -> str | None:
-    F, K = x.shape[-1], kernel.shape[-1]
+    # int(): a row's tile is a compile-time shape, so symbolic sizes (torch.compile's dynamic
+    # shapes) of the features and taps are specialized
+    F, K = int(x.shape[-1]), int(kernel.shape[-1])
     tile = next_power_of_2(K) * next_power_of_2(max(F, 16))
     if tile > MAX_TILE:
         return (f"the Triton kernels hold a (taps x features) tile of a row in one program, at most {MAX_TILE} values "
@@ -148,6 +154,7 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 
 def _meta(F: int, K: int) -> dict:
+    F, K = int(F), int(K)  # see why_not
     block_f, block_k = next_power_of_2(max(F, 16)), next_power_of_2(K)
     return dict(KSIZE=K, BLOCK_K=block_k, BLOCK_F=block_f, num_warps=min(16, max(4, block_k * block_f // 2048)))
 

@@ -105,8 +105,11 @@ def default_config(n_classes: int, backward: bool = False) -> LaunchConfig:
     """The H200 sweep's best or within 3% of it (benchmarks/cross_entropy_sweep.py, bf16, 256 to
     128256 classes): forward 4 warps on blocks of up to 4096 (4.06-4.09 TB/s of logits read at 32000
     and 128256 classes; 32 warps reached 1.3 TB/s); backward 16 warps on a 4096 block (3.9 TB/s read
-    + write), 4 on short rows (256 classes: 4 warps 18 us, 32 warps 86 us)."""
-    block = min(BLOCK_CLASSES, max(16, next_power_of_2(n_classes)))
+    + write), 4 on short rows (256 classes: 4 warps 18 us, 32 warps 86 us).
+
+    Under torch.compile's dynamic shapes n_classes is a SymInt: a count of at least BLOCK_CLASSES
+    only adds a guard; a smaller one is specialized, as its block must be."""
+    block = BLOCK_CLASSES if n_classes >= BLOCK_CLASSES else max(16, next_power_of_2(int(n_classes)))
     return LaunchConfig(block, max(4, block // 256) if backward else 4)
 
 

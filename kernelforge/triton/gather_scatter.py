@@ -132,7 +132,9 @@ class Config:
 
 
 def default_config(n_cols: int) -> Config:
-    block_f = min(MAX_BLOCK_F, next_power_of_2(n_cols))
+    # Under torch.compile's dynamic shapes n_cols is a SymInt: a count of at least MAX_BLOCK_F only
+    # adds a guard; a smaller one is specialized, as its tile must be.
+    block_f = MAX_BLOCK_F if n_cols >= MAX_BLOCK_F else next_power_of_2(int(n_cols))
     return Config(max(MIN_BLOCK_E, min(MAX_BLOCK_E, TILE_ELEMS // block_f)), block_f)
 
 
@@ -150,7 +152,9 @@ def _aggregate(inp: torch.Tensor, gather: torch.Tensor, scatter: torch.Tensor, r
     cfg = config or default_config(n_cols)
     gather, scatter = gather.contiguous(), scatter.contiguous()  # the kernels step through ids with stride 1
     acc = torch.zeros((rows, n_cols), dtype=torch.float32, device=inp.device)
-    deg = acc  # a stand-in: the kernels touch deg for the mean only
+    # the kernels touch deg for the mean only; elsewhere an input stands in, never a written tensor
+    # (traced by torch.compile, a written tensor passed twice could be taken for two outputs)
+    deg = inp
     if mean:
         # the in-degree of the forward's destination nodes (the forward's output rows, the
         # backward's input rows): counted by the forward kernel on its way, by a launch of its

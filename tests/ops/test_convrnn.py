@@ -3,12 +3,15 @@ sizes, layouts, empty inputs, the registered ops (opcheck, the CUDA kernels regi
 C++), torch.compile, and bad input."""
 import pytest
 import torch
+import torch._functorch.config as functorch_config
 import torch.nn.functional as F
 
 import kernelforge as kf
+from kernelforge.ops.convrnn import convrnn_op
 from kernelforge.reference.convrnn import convrnn_forward as reference_forward
-from tests.conftest import backend_cases, device_cases
+from tests.conftest import backend_cases, device_cases, needs_cuda
 from tests.numerics import assert_matches_oracle
+from tests.op_paths import assert_eager_path_equals_registered_op, assert_inductor_launches, compiled_code
 
 GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (batch, time, features, taps): odd features, one step, one feature, a tap wider than the row
@@ -165,10 +168,39 @@ def test_compiled_matches_eager(device):
         return (out * out).sum() + h_last.sum()
 
     expected = torch.autograd.grad(loss(x, kernel, hidden), (x, kernel, hidden))
+    # the graphs hold the backend's own work (the reference's torch ops, the Triton kernels), forward
+    # and backward, not the kernelforge ops
+    with functorch_config.patch(force_non_lazy_backward_lowering=True):
+        _, code = compiled_code(loss, x, kernel, hidden)
+    assert "torch.ops.kernelforge" not in code
     compiled = torch.compile(loss, fullgraph=True)
     got = torch.autograd.grad(compiled(x, kernel, hidden), (x, kernel, hidden))
     for a, e in zip(got, expected):
         torch.testing.assert_close(a, e)
+
+
+def test_eager_fast_path_equals_registered_op():
+    # In plain eager mode kf.convrnn skips the dispatcher (with its own autograd glue when a gradient is
+    # needed); under a mode, a transform or torch.compile it goes through torch.ops. Both must give the
+    # same values and gradients.
+    x, kernel, hidden = inputs((2, 6, 9, 3), torch.float32, "cpu")
+    op = torch.ops.kernelforge.convrnn
+    assert convrnn_op._plain_eager((x, kernel, hidden))
+    fast = assert_eager_path_equals_registered_op(lambda t: kf.convrnn(t, kernel, hidden)[0], convrnn_op,
+                                                  lambda t: op(t, kernel, hidden)[0], x)
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake, _ = kf.convrnn(mode.from_tensor(x), mode.from_tensor(kernel), mode.from_tensor(hidden))
+        assert fake.shape == fast.shape and fake.stride() == fast.stride()
+
+
+@pytest.mark.parametrize("registered", [False, True], ids=["eager", "registered"])
+def test_double_backward_raises(registered):
+    # the backward op has no gradient of its own, on either path
+    x, kernel, hidden = inputs((2, 3, 5, 3), torch.float64, "cpu", requires_grad=True)
+    out, h_last = (torch.ops.kernelforge.convrnn if registered else kf.convrnn)(x, kernel, hidden)
+    (dx,) = torch.autograd.grad(out.sum() + h_last.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="convrnn_backward has no gradient formula"):
+        dx.sum().backward()
 
 
 def test_design_document_name_and_cpu_choice():
@@ -219,3 +251,27 @@ def test_backend_order_follows_the_h200_measurements():
     for steps, features in ((16, 64), (256, 1024), (4096, 1024), (4096, 4096)):
         assert _preference(rows(steps, features), None)[0][0] == "cuda"
         assert _preference(rows(steps, features), None, backward=True)[0][0] == "cuda"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_inductor_launches_the_triton_kernels():
+    # Under torch.compile the op decomposes into its Triton kernels (ranked ahead of the opaque CUDA
+    # extension while tracing), which Inductor launches from its own code, forward and backward (lowered
+    # with the forward here), with no kernelforge op left; the numbers are eager Triton's.
+    x, kernel, hidden = inputs((4, 100, 64, 3), torch.bfloat16, "cuda", requires_grad=True)
+    leaves = (x, kernel, hidden)
+
+    def loss(x, kernel, hidden):
+        out, h_last = kf.convrnn(x, kernel, hidden)
+        return out.float().square().sum() + h_last.float().sum()
+
+    with functorch_config.patch(force_non_lazy_backward_lowering=True):
+        got = assert_inductor_launches(loss, leaves, ["convrnn_forward_kernel", "convrnn_backward_kernel"])
+    got_grads = torch.autograd.grad(got, leaves)
+    with kf.use_backend("triton"):
+        expected = loss(*leaves)
+        grads = torch.autograd.grad(expected, leaves)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=0)  # float32 sums, in Inductor's order
+    for a, e in zip(got_grads, grads):
+        torch.testing.assert_close(a, e)

@@ -3,11 +3,14 @@ label smoothing, reductions), torch's layouts, out-of-range targets, the registe
 double backward), torch.compile, peak memory on the GPU, and bad input."""
 import pytest
 import torch
+import torch._functorch.config as functorch_config
 import torch.nn.functional as F
 
 import kernelforge as kf
+from kernelforge.ops.cross_entropy import cross_entropy_op
 from tests.conftest import HAS_CUDA, backend_cases, device_cases
 from tests.numerics import assert_matches_oracle
+from tests.op_paths import assert_eager_path_equals_registered_op, assert_inductor_launches, compiled_code
 
 GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 BACKENDS = ("reference", "triton")
@@ -195,8 +198,30 @@ def test_torch_compile_fullgraph(device):
     w = torch.randn(32, 300, device=device, requires_grad=True)
     target = torch.randint(0, 300, (16,), device=device)
     target[3] = -100
+    # the graphs hold the backend's own work (the reference's torch ops, the Triton kernels), forward
+    # and backward, not the kernelforge ops
+    with functorch_config.patch(force_non_lazy_backward_lowering=True):
+        _, code = compiled_code(lm_head_loss, h, w)
+    assert "torch.ops.kernelforge" not in code
     torch._dynamo.reset()
     assert_compiled_matches_eager(lm_head_loss, torch.compile(lm_head_loss, fullgraph=True), (h, w))
+
+
+def test_eager_fast_path_equals_registered_op():
+    # In plain eager mode the op skips the dispatcher (with its own autograd glue when a gradient is
+    # needed); under a mode, a transform or torch.compile it goes through torch.ops. Both must give the
+    # same values and gradients, and the public function takes the fast path.
+    logits, target = random_case(6, 11, torch.float32, "cpu", ignored_every=4)
+    op = torch.ops.kernelforge.cross_entropy
+    assert cross_entropy_op._plain_eager((logits, target, -100, 0.1))
+    assert_eager_path_equals_registered_op(lambda t: cross_entropy_op(t, target, -100, 0.1)[0], cross_entropy_op,
+                                           lambda t: op(t, target, -100, 0.1)[0], logits)
+    x = logits.clone().requires_grad_()
+    loss = kf.cross_entropy(x, target, reduction="sum")
+    assert cross_entropy_op.is_eager_node(loss.grad_fn.next_functions[0][0])
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake = kf.cross_entropy(mode.from_tensor(logits), mode.from_tensor(target), reduction="none")
+        assert fake.shape == (6,) and fake.dtype == torch.float32
 
 
 @pytest.mark.parametrize("backend,device", backend_cases(BACKENDS))
@@ -268,3 +293,26 @@ def test_bad_input_errors():
     if HAS_CUDA:
         with pytest.raises(RuntimeError, match="same device"):
             kf.cross_entropy(x.cuda(), t)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_inductor_launches_the_triton_kernels():
+    """Under torch.compile the op decomposes into its Triton kernels, which Inductor launches from its
+    own code, forward and backward (lowered with the forward here), with no kernelforge op left: bf16
+    logits of 4096 classes, as eager computes them."""
+    logits = (torch.randn(512, 4096, device="cuda") * 4).bfloat16().requires_grad_()
+    target = torch.randint(0, 4096, (512,), device="cuda")
+    target[::7] = -100
+
+    def loss(x):
+        return kf.cross_entropy(x, target, label_smoothing=0.1)
+
+    with functorch_config.patch(force_non_lazy_backward_lowering=True):
+        got = assert_inductor_launches(loss, (logits,), ["cross_entropy_forward_kernel",
+                                                         "cross_entropy_backward_kernel"])
+    (got_grad,) = torch.autograd.grad(got, logits)
+    expected = loss(logits)
+    (grad,) = torch.autograd.grad(expected, logits)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)  # the mean's float32 sum, in Inductor's order
+    torch.testing.assert_close(got_grad, grad)

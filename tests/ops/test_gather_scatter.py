@@ -12,14 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._functorch.config as functorch_config
 
 import kernelforge as kf
 from kernelforge import backends
 from kernelforge.models.levels import TORCH_KERNELS
+from kernelforge.ops.gather_scatter import gather_scatter_op
 from kernelforge.reference import gather_scatter as reference
 from tests.conftest import backend_cases, device_cases, needs_cuda
 from tests.numerics import assert_matches_oracle, same_layout
-from tests.op_paths import assert_eager_path_equals_registered_op
+from tests.op_paths import assert_eager_path_equals_registered_op, assert_inductor_launches, compiled_code
 
 BACKENDS = ("reference", "triton")
 REDUCES = ("sum", "mean")
@@ -285,10 +287,13 @@ def test_torch_compile_fullgraph(device):
         h = kf.gather_scatter(x @ w, src, dst, 7, "mean")
         return (kf.gather_scatter(h.relu(), dst, src, 9) * 2.0).sum()
 
-    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
     x = torch.randn(9, 4, device=device, requires_grad=True)
     w = torch.randn(4, 5, device=device, requires_grad=True)
     src, dst = make_edges(9, 7, 30, device)
+    with functorch_config.patch(force_non_lazy_backward_lowering=True):  # the backward's code too
+        _, code = compiled_code(layer, x, w, src, dst, dynamic=False)
+    assert "torch.ops.kernelforge" not in code  # traced into the reference's torch ops / the Triton kernels
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
     expected = layer(x, w, src, dst)
     gx, gw = torch.autograd.grad(expected, (x, w))
     got = compiled(x, w, src, dst)
@@ -339,8 +344,9 @@ def test_eager_fast_path_equals_registered_op():
     x = torch.randn(12, 5, 2)
     src, dst = make_edges(12, 8, 40, "cpu")
     op = torch.ops.kernelforge.gather_scatter
+    assert gather_scatter_op._plain_eager((x, src, dst, 8, "mean"))
     fast = assert_eager_path_equals_registered_op(lambda t: kf.gather_scatter(t, src, dst, 8, "mean"),
-                                                  lambda t: op(t, src, dst, 8, "mean"), x)
+                                                  gather_scatter_op, lambda t: op(t, src, dst, 8, "mean"), x)
     with torch._subclasses.FakeTensorMode() as mode:
         fake = kf.gather_scatter(mode.from_tensor(x), mode.from_tensor(src), mode.from_tensor(dst), 8)
         assert fake.shape == (8, 5, 2) and fake.stride() == fast.stride()
@@ -472,3 +478,23 @@ def test_int32_ids_past_two_to_the_31_elements():
     assert torch.equal(grad[touched].float(), degrees(src, rows)[touched.cpu()].to("cuda", torch.float32)[:, None]
                        .expand(-1, n_cols))
     assert grad.sum(dtype=torch.float32).item() == src.numel() * n_cols  # nothing written elsewhere
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_inductor_launches_the_triton_kernels(reduce):
+    # Under torch.compile Inductor launches the Triton kernels itself, forward and backward (lowered with
+    # the forward here). Positive x: no sum cancels, so the atomics' rounding stays within bf16's tolerance.
+    x = torch.rand(3000, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    src, dst = make_edges(3000, 2000, 20000, "cuda")
+
+    def layer(x):
+        return kf.gather_scatter(x, src, dst, 2000, reduce).float().square().sum()
+
+    kernels = ["_gather_scatter_kernel", "_finish_kernel"] + (["_in_degree_kernel"] if reduce == "mean" else [])
+    with functorch_config.patch(force_non_lazy_backward_lowering=True):
+        got = assert_inductor_launches(layer, (x,), kernels)
+    expected = layer(x)
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=0)
+    torch.testing.assert_close(torch.autograd.grad(got, x)[0], torch.autograd.grad(expected, x)[0])
