@@ -22,19 +22,32 @@ def assert_eager_path_equals_registered_op(public, op, registered, x: torch.Tens
     return fast
 
 
-def compiled_code(fn, *args, **compile_kwargs):
+def compiled_code(fn, *args, backward: bool = False, **compile_kwargs):
     """(fn compiled by Inductor with fullgraph=True applied to args, the Python code Inductor
-    generated for it, joined)."""
+    generated for it, joined). backward=True also runs the backward of the output's sum inside, so
+    its code (generated when the backward first runs) is in the text too; the output returned is then
+    a second call's, whose graph the caller may differentiate (a compiled backward frees its buffers)."""
     from torch._inductor.utils import run_and_get_code
 
-    out, codes = run_and_get_code(torch.compile(fn, fullgraph=True, **compile_kwargs), *args)
+    compiled = torch.compile(fn, fullgraph=True, **compile_kwargs)
+
+    def run(*inputs):
+        out = compiled(*inputs)
+        if backward:
+            leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+            torch.autograd.grad(out.float().sum(), leaves)
+        return out
+
+    out, codes = run_and_get_code(run, *args)
+    if backward:
+        out = compiled(*args)
     return out, "\n".join(codes)
 
 
-def assert_inductor_launches(fn, args, kernels, **compile_kwargs):
-    """Inductor's code for fn(*args) launches each named Triton kernel itself (the op was traced into)
-    and calls no kernelforge op; returns fn's compiled output."""
-    out, code = compiled_code(fn, *args, **compile_kwargs)
+def assert_inductor_launches(fn, args, kernels, backward: bool = False, **compile_kwargs):
+    """Inductor's code for fn(*args) (and its backward, with backward=True) launches each named Triton
+    kernel itself (the op was traced into) and calls no kernelforge op; returns fn's compiled output."""
+    out, code = compiled_code(fn, *args, backward=backward, **compile_kwargs)
     for name in kernels:
         assert name in code, f"{name} is not launched by Inductor's code"
     assert "torch.ops.kernelforge" not in code, "a kernelforge op stayed opaque in the compiled graph"

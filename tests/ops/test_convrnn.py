@@ -3,7 +3,6 @@ sizes, layouts, empty inputs, the registered ops (opcheck, the CUDA kernels regi
 C++), torch.compile, and bad input."""
 import pytest
 import torch
-import torch._functorch.config as functorch_config
 import torch.nn.functional as F
 
 import kernelforge as kf
@@ -170,8 +169,7 @@ def test_compiled_matches_eager(device):
     expected = torch.autograd.grad(loss(x, kernel, hidden), (x, kernel, hidden))
     # the graphs hold the backend's own work (the reference's torch ops, the Triton kernels), forward
     # and backward, not the kernelforge ops
-    with functorch_config.patch(force_non_lazy_backward_lowering=True):
-        _, code = compiled_code(loss, x, kernel, hidden)
+    _, code = compiled_code(loss, x, kernel, hidden, backward=True)
     assert "torch.ops.kernelforge" not in code
     compiled = torch.compile(loss, fullgraph=True)
     got = torch.autograd.grad(compiled(x, kernel, hidden), (x, kernel, hidden))
@@ -266,8 +264,7 @@ def test_inductor_launches_the_triton_kernels():
         out, h_last = kf.convrnn(x, kernel, hidden)
         return out.float().square().sum() + h_last.float().sum()
 
-    with functorch_config.patch(force_non_lazy_backward_lowering=True):
-        got = assert_inductor_launches(loss, leaves, ["convrnn_forward_kernel", "convrnn_backward_kernel"])
+    got = assert_inductor_launches(loss, leaves, ["convrnn_forward_kernel", "convrnn_backward_kernel"], backward=True)
     got_grads = torch.autograd.grad(got, leaves)
     with kf.use_backend("triton"):
         expected = loss(*leaves)

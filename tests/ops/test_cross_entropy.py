@@ -3,7 +3,6 @@ label smoothing, reductions), torch's layouts, out-of-range targets, the registe
 double backward), torch.compile, peak memory on the GPU, and bad input."""
 import pytest
 import torch
-import torch._functorch.config as functorch_config
 import torch.nn.functional as F
 
 import kernelforge as kf
@@ -200,8 +199,7 @@ def test_torch_compile_fullgraph(device):
     target[3] = -100
     # the graphs hold the backend's own work (the reference's torch ops, the Triton kernels), forward
     # and backward, not the kernelforge ops
-    with functorch_config.patch(force_non_lazy_backward_lowering=True):
-        _, code = compiled_code(lm_head_loss, h, w)
+    _, code = compiled_code(lm_head_loss, h, w, backward=True)
     assert "torch.ops.kernelforge" not in code
     torch._dynamo.reset()
     assert_compiled_matches_eager(lm_head_loss, torch.compile(lm_head_loss, fullgraph=True), (h, w))
@@ -308,9 +306,8 @@ def test_inductor_launches_the_triton_kernels():
     def loss(x):
         return kf.cross_entropy(x, target, label_smoothing=0.1)
 
-    with functorch_config.patch(force_non_lazy_backward_lowering=True):
-        got = assert_inductor_launches(loss, (logits,), ["cross_entropy_forward_kernel",
-                                                         "cross_entropy_backward_kernel"])
+    got = assert_inductor_launches(loss, (logits,), ["cross_entropy_forward_kernel", "cross_entropy_backward_kernel"],
+                                   backward=True)
     (got_grad,) = torch.autograd.grad(got, logits)
     expected = loss(logits)
     (grad,) = torch.autograd.grad(expected, logits)

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch._functorch.config as functorch_config
 
 import kernelforge as kf
 from kernelforge import backends
@@ -290,8 +289,7 @@ def test_torch_compile_fullgraph(device):
     x = torch.randn(9, 4, device=device, requires_grad=True)
     w = torch.randn(4, 5, device=device, requires_grad=True)
     src, dst = make_edges(9, 7, 30, device)
-    with functorch_config.patch(force_non_lazy_backward_lowering=True):  # the backward's code too
-        _, code = compiled_code(layer, x, w, src, dst, dynamic=False)
+    _, code = compiled_code(layer, x, w, src, dst, dynamic=False, backward=True)
     assert "torch.ops.kernelforge" not in code  # traced into the reference's torch ops / the Triton kernels
     compiled = torch.compile(layer, fullgraph=True, dynamic=False)
     expected = layer(x, w, src, dst)
@@ -493,8 +491,7 @@ def test_inductor_launches_the_triton_kernels(reduce):
         return kf.gather_scatter(x, src, dst, 2000, reduce).float().square().sum()
 
     kernels = ["_gather_scatter_kernel", "_finish_kernel"] + (["_in_degree_kernel"] if reduce == "mean" else [])
-    with functorch_config.patch(force_non_lazy_backward_lowering=True):
-        got = assert_inductor_launches(layer, (x,), kernels)
+    got = assert_inductor_launches(layer, (x,), kernels, backward=True)
     expected = layer(x)
     torch.testing.assert_close(got, expected, rtol=1e-3, atol=0)
     torch.testing.assert_close(torch.autograd.grad(got, x)[0], torch.autograd.grad(expected, x)[0])
