@@ -202,7 +202,7 @@ class BlockMask:
 
     def to(self, device: torch.device | str) -> "BlockMask":
         return BlockMask(self.q_len, self.kv_len, self.block_q, self.block_k,
-                         *(getattr(self, f).to(device) for f in _TENSOR_FIELDS))
+                         *(getattr(self, f).to(device) for f in TENSOR_FIELDS))
 
     def __repr__(self) -> str:
         Bm, Hm, Sq, Sk = self.shape
@@ -223,8 +223,10 @@ def _packed_words(partial_masks: torch.Tensor) -> torch.Tensor:
     return (bits * weights).sum(-1, dtype=torch.uint8).view(torch.int64).contiguous()
 
 
-_TENSOR_FIELDS = ("kv_counts", "kv_blocks", "kv_partial", "q_counts", "q_blocks", "q_partial", "partial_masks",
-                  "kv_full", "q_full", "partial_words", "partial_words_t")
+# The tensors of a BlockMask in its constructor's order (after q_len, kv_len, block_q, block_k): how
+# the attention op's schema carries one (a Tensor[] and the two tile sizes).
+TENSOR_FIELDS = ("kv_counts", "kv_blocks", "kv_partial", "q_counts", "q_blocks", "q_partial", "partial_masks",
+                 "kv_full", "q_full", "partial_words", "partial_words_t")
 
 
 def _lists(listed: torch.Tensor, kinds: torch.Tensor):

@@ -33,6 +33,27 @@ def naive_attention(q, k, v, scale: Optional[float] = None, causal: bool = False
     return p @ v, lse
 
 
+def kv_cache_attention(q, k, v, cache_seqlens, attn_mask=None, **options):
+    """naive_attention of each batch entry over its filled cache, k[b, :, :L] and v[b, :, :L] with
+    L = cache_seqlens[b] clamped to [0, Sk] (flash_attn_with_kvcache's convention, by its
+    definition: causal and window align to L, the rest of the cache is never looked at). A
+    broadcastable attn_mask is cut the same way. (out, lse) as naive_attention's."""
+    outs, lses = [], []
+    Sk = k.shape[2]
+    for b, length in enumerate(cache_seqlens.tolist()):
+        length = min(max(length, 0), Sk)
+        mask = None
+        if attn_mask is not None:
+            mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+            mask = mask[b:b + 1] if mask.shape[0] > 1 else mask
+            mask = mask[..., :length] if mask.shape[-1] > 1 else mask
+        out, lse = naive_attention(q[b:b + 1], k[b:b + 1, :, :length], v[b:b + 1, :, :length], attn_mask=mask,
+                                   **options)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
 def probabilities(q, k, v, scale=None, causal=False, window=None, attn_mask=None, block_mask=None):
     """(P (B, H, Sq, Sk), lse, v repeated to H heads)."""
     B, H, Sq, D = q.shape

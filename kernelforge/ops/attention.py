@@ -1,36 +1,58 @@
-"""flash_attention: schema, input checks, fake implementation, autograd, dispatch.
+"""flash_attention: schemas, input checks, fake implementations, autograd, dispatch.
 
-Registered ops (each with a fake implementation):
-    kernelforge::flash_attention(q, k, v, scale, window_left, window_right, attn_mask?,
-        block_mask?, block_q, block_k) -> (out, lse)
-    kernelforge::flash_attention_backward(grad_out, q, k, v, out, lse, scale, window_left,
-        window_right, attn_mask?, block_mask?, block_q, block_k) -> (dq, dk, dv)
+Registered ops (kernelforge.ops._opdef.define_op: each with its fake and gradient, and a lean
+eager call that skips the dispatcher):
+    kernelforge::flash_attention(Tensor q, Tensor k, Tensor v, float scale, int window_left,
+        int window_right, Tensor? attn_mask, Tensor[] block_mask, int block_q, int block_k,
+        Tensor? cache_seqlens=None) -> (Tensor out, Tensor lse)
+    kernelforge::flash_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v,
+        Tensor out, Tensor lse, float scale, int window_left, int window_right, Tensor? attn_mask,
+        Tensor[] block_mask, int block_q, int block_k) -> (Tensor dq, Tensor dk, Tensor dv)
 q (B, H, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv); out (B, H, Sq, Dv) in q's dtype; lse
-(B, H, Sq) float32 (float64 for float64). Every output is dense (contiguous), whatever the
-inputs' strides. `causal` and `window` travel as one band of key
+(B, H, Sq) float32 (float64 for float64), not differentiable. Every output is dense
+(contiguous), whatever the inputs' strides. `causal` and `window` travel as one band of key
 offsets (window_left / window_right, -1 = unbounded; causal sets window_right to at most 0).
 attn_mask arrives expanded to 4-D (B or 1, H or 1, Sq, Sk). block_mask is a BlockMask's
-tensors (kernelforge.block_mask._TENSOR_FIELDS order; empty for none) with its tile sizes.
+tensors (kernelforge.block_mask.TENSOR_FIELDS order; empty for none) with its tile sizes.
+cache_seqlens (B,) int32 / int64: a KV cache's filled lengths, read on the device only (a
+decode step can be captured in a CUDA graph); inference only, so the backward has none.
 
 Every backend implements `flash_forward(q, k, v, scale, vis)` and (Triton, reference)
 `flash_backward(grad_out, q, k, v, out, lse, scale, vis)`, vis a
 kernelforge.reference.attention.Visibility.
+
+Under torch.compile a call is decomposed into its implementation where the backend `_choose`
+returns for it is traceable, and stays one opaque custom op (its fake at trace time, the
+implementation at run time) elsewhere:
+  - reference: traceable (torch ops);
+  - triton: traceable only where every launch of the call is a plain @triton.jit kernel through
+    kernelforge.triton._launch.launch (the query-tiled forward, the flash-decoding kernels, the
+    backward's three kernels). Where a Gluon kernel may run instead (Hopper: a sliding-window
+    or BlockMask forward, and the fp16 / bf16 backward at head dims 64 and 128 without
+    attn_mask; they build host-side TMA descriptors), the call is opaque. The rule is
+    kernelforge.triton.attention.traceable, the same test the launchers route by, decided from
+    shapes, dtypes, options and the device (never a data pointer), and it errs on the opaque
+    side. backends.register's flag is per backend, so `_choose` returns such a call's triton
+    Choice with an opaque copy of the Implementation;
+  - cuda: opaque (a C++ extension).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
 import torch
 
 from kernelforge import backends
-from kernelforge.block_mask import _TENSOR_FIELDS, BlockMask
-from kernelforge.ops._common import (FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, not_a_view,
-                                     plain_eager_call)
+from kernelforge.block_mask import TENSOR_FIELDS, BlockMask
+from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same
+from kernelforge.ops._opdef import define_op
 from kernelforge.reference.attention import Visibility
 
 OP = "attention"
 NAME = "flash_attention"
+SEQLEN_DTYPES = (torch.int32, torch.int64)
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -53,6 +75,8 @@ def _why_not_cuda(q, k, v, vis=None, backward=False):
         return "the CUDA backend has a forward kernel only (the backward runs on Triton)"
     if vis is not None and (vis.attn_mask is not None or vis.block_mask is not None):
         return "the CUDA kernel takes causal and window masks only, not attn_mask or block_mask"
+    if vis is not None and vis.seqlens is not None:
+        return "the CUDA kernel takes no cache_seqlens (KV cache lengths)"
     from kernelforge.cuda.attention import why_not
 
     return why_not(q, k, v) or why_unavailable("attention")
@@ -69,7 +93,7 @@ def _preference(q, k, v, vis=None, backward=False):
 
 
 def _choice_key(q, k, v, vis=None, backward=False):
-    masks = None if vis is None else (vis.attn_mask is not None, vis.block_mask is not None)
+    masks = None if vis is None else (vis.attn_mask is not None, vis.block_mask is not None, vis.seqlens is not None)
     return q.device.type, q.dtype, k.dtype, v.dtype, q.shape[-1], v.shape[-1], masks, backward
 
 
@@ -78,6 +102,26 @@ backends.register(OP, "cuda", "kernelforge.cuda.attention", _why_not_cuda)
 backends.register(OP, "reference", "kernelforge.reference.attention", _why_not_reference)
 backends.set_preference(OP, _preference, _choice_key)
 
+# id(Implementation) -> (it, a copy registered opaque): the triton Choice of a call the Gluon kernels may run
+_OPAQUE: dict[int, tuple] = {}
+
+
+def _opaque(choice: backends.Choice) -> backends.Choice:
+    impl = choice.implementation
+    entry = _OPAQUE.get(id(impl))
+    if entry is None or entry[0] is not impl:
+        entry = _OPAQUE[id(impl)] = (impl, dataclasses.replace(impl, traceable_when=False))
+    return backends.Choice(entry[1], choice.reason)
+
+
+def _choose(q, k, v, vis: Visibility, backward: bool = False) -> backends.Choice:
+    """The backend that runs these inputs, its traceability per call (module docstring)."""
+    choice = backends.select(OP, q, k, v, vis=vis, backward=backward)
+    if choice.backend == "triton" and q.is_cuda and not choice.implementation.launchers().traceable(
+            q, k, v, vis, backward):
+        return _opaque(choice)
+    return choice
+
 
 # ----------------------------------------------------------------------------- checks
 def _fail(what: str) -> None:
@@ -85,6 +129,12 @@ def _fail(what: str) -> None:
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    qs, ks, vs = q.shape, k.shape, v.shape
+    dtype = q.dtype
+    if (len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and dtype in FLOAT_DTYPES and k.dtype == dtype
+            and v.dtype == dtype and k.device == q.device and v.device == q.device and ks[:3] == vs[:3]
+            and ks[0] == qs[0] and ks[3] == qs[3] and ks[1] != 0 and qs[1] % ks[1] == 0):
+        return  # valid inputs in one pass (this runs twice an eager call); else find what is wrong, below
     names = ("q", "k", "v")
     for name, t in zip(names, (q, k, v)):
         check_floating(NAME, name, t, FLOAT_DTYPES)
@@ -161,117 +211,162 @@ def _check_block_mask(block_mask, q: torch.Tensor, k: torch.Tensor) -> None:
                   f"(use larger tiles, or a mask shared across batch and heads)")
 
 
-def _visibility(q, window_left, window_right, attn_mask, block_mask, block_q, block_k, k) -> Visibility:
+def _check_cache_seqlens(cache_seqlens: Optional[torch.Tensor], q: torch.Tensor) -> None:
+    """Metadata only: the values stay on the device (a caller's length above Sk is clamped there)."""
+    if cache_seqlens is None:
+        return
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"kernelforge.{NAME}: cache_seqlens must be a tensor of int32 or int64 lengths of shape "
+                        f"(batch,), got {type(cache_seqlens).__name__}")
+    if cache_seqlens.dtype not in SEQLEN_DTYPES:
+        raise TypeError(f"kernelforge.{NAME}: cache_seqlens must have dtype int32 or int64, got {cache_seqlens.dtype}")
+    if cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != q.shape[0]:
+        _fail(f"cache_seqlens must have shape (batch,) = ({q.shape[0]},), got {tuple(cache_seqlens.shape)}")
+    if cache_seqlens.device != q.device:
+        _fail(f"cache_seqlens must be on q's device {q.device}, got {cache_seqlens.device}")
+
+
+def _refuse_kv_cache_gradients() -> None:
+    raise NotImplementedError(
+        f"kernelforge.{NAME}: gradients with cache_seqlens are not computed (a KV cache is for inference, as in "
+        "flash_attn_with_kvcache): call it under torch.no_grad() or torch.inference_mode(), or pass q, k and v "
+        "detached")
+
+
+def _band(causal: bool, window) -> tuple[int, int]:
+    """(window_left, window_right) of the schema: -1 unbounded; causal bounds the right at 0."""
+    left, right = _check_window(window)
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return left, right
+
+
+def _visibility(q, k, window_left, window_right, attn_mask, block_mask, block_q, block_k,
+                cache_seqlens=None) -> Visibility:
     bm = BlockMask(q.shape[2], k.shape[2], block_q, block_k, *block_mask) if block_mask else None
-    return Visibility.of(False, (window_left, window_right), attn_mask, bm)
+    return Visibility(None if window_left < 0 else window_left, None if window_right < 0 else window_right,
+                      attn_mask, bm, cache_seqlens)
 
 
 # ----------------------------------------------------------------------------- implementation
-def _launchers(q, k, v, vis, backward=False):
-    return backends.select(OP, q, k, v, vis=vis, backward=backward).implementation.launchers()
-
-
-def _forward(q, k, v, scale, vis):
+def _empty_outputs(q, v):
     B, H, Sq, _ = q.shape
-    if q.numel() == 0 or k.shape[2] == 0 or v.shape[-1] == 0:
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        lse = torch.full((B, H, Sq), -math.inf, dtype=acc, device=q.device)
-        return q.new_zeros(B, H, Sq, v.shape[-1]), lse
-    out, lse = _launchers(q, k, v, vis).flash_forward(q, k, v, scale, vis)
-    # not a view (ops._common.not_a_view): in-place ops on it work as on torch's outputs
-    return not_a_view(out), lse
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse = torch.full((B, H, Sq), -math.inf, dtype=acc, device=q.device)
+    return q.new_zeros(B, H, Sq, v.shape[-1]), lse
 
 
-def _backward(grad_out, q, k, v, out, lse, scale, vis):
-    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
-        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-    return _launchers(q, k, v, vis, backward=True).flash_backward(grad_out, q, k, v, out, lse, scale, vis)
+def _forward_vis(q, k, v, scale, window_left, window_right, attn_mask, block_mask, block_q, block_k,
+                 cache_seqlens=None) -> Visibility:
+    _check_qkv(q, k, v)
+    _check_cache_seqlens(cache_seqlens, q)
+    return _visibility(q, k, window_left, window_right, attn_mask, block_mask, block_q, block_k, cache_seqlens)
 
 
-def _fake_forward(q, k, v):
+def _no_work(q, k, v, backward: bool = False) -> bool:
+    return q.numel() == 0 or k.numel() == 0 or v.numel() == 0 if backward else (
+        q.numel() == 0 or k.shape[2] == 0 or v.shape[-1] == 0)
+
+
+def _no_kernel() -> backends.Choice:
+    """The choice for inputs without work: zeros and -inf in torch ops, whatever is forced."""
+    return backends.Choice(backends.implementations(OP)["reference"],
+                           "no work: the outputs are zeros and -inf, made by torch ops")
+
+
+def _forward(q, k, v, scale, window_left, window_right, attn_mask, block_mask, block_q, block_k, cache_seqlens=None):
+    vis = _forward_vis(q, k, v, scale, window_left, window_right, attn_mask, block_mask, block_q, block_k,
+                       cache_seqlens)
+    if _no_work(q, k, v):
+        return _empty_outputs(q, v)
+    return _choose(q, k, v, vis).implementation.launchers().flash_forward(q, k, v, scale, vis)
+
+
+def _choose_forward(*args) -> backends.Choice:
+    q, k, v = args[:3]
+    vis = _forward_vis(*args)
+    return _no_kernel() if _no_work(q, k, v) else _choose(q, k, v, vis)
+
+
+def _fake_forward(q, k, v, scale, window_left, window_right, attn_mask, block_mask, block_q, block_k,
+                  cache_seqlens=None):
+    _check_qkv(q, k, v)
+    _check_cache_seqlens(cache_seqlens, q)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, H, Sq, _ = q.shape
     return q.new_empty(B, H, Sq, v.shape[-1]), q.new_empty(B, H, Sq, dtype=acc)
 
 
-@torch.library.custom_op("kernelforge::flash_attention_backward", mutates_args=())
-def flash_attention_backward_op(
-    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, scale: float, window_left: int, window_right: int, attn_mask: Optional[torch.Tensor],
-    block_mask: list[torch.Tensor], block_q: int, block_k: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    vis = _visibility(q, window_left, window_right, attn_mask, block_mask, block_q, block_k, k)
-    return _backward(grad_out, q, k, v, out, lse, scale, vis)
-
-
-@flash_attention_backward_op.register_fake
-def _(grad_out, q, k, v, out, lse, scale, window_left, window_right, attn_mask, block_mask, block_q, block_k):
+def _check_backward(grad_out, out) -> None:
     check_same(f"{NAME}_backward", "shape", ("grad_out", "out"), (tuple(grad_out.shape), tuple(out.shape)))
+
+
+def _backward(grad_out, q, k, v, out, lse, scale, window_left, window_right, attn_mask, block_mask, block_q, block_k):
+    _check_backward(grad_out, out)
+    if _no_work(q, k, v, backward=True):
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    vis = _visibility(q, k, window_left, window_right, attn_mask, block_mask, block_q, block_k)
+    return _choose(q, k, v, vis, backward=True).implementation.launchers().flash_backward(
+        grad_out, q, k, v, out, lse, scale, vis)
+
+
+def _choose_backward(grad_out, q, k, v, out, lse, scale, window_left, window_right, attn_mask, block_mask,
+                     block_q, block_k) -> backends.Choice:
+    if _no_work(q, k, v, backward=True):
+        return _no_kernel()
+    vis = _visibility(q, k, window_left, window_right, attn_mask, block_mask, block_q, block_k)
+    return _choose(q, k, v, vis, backward=True)
+
+
+def _fake_backward(grad_out, q, k, v, out, lse, scale, window_left, window_right, attn_mask, block_mask,
+                   block_q, block_k):
+    _check_backward(grad_out, out)
     # dense whatever the inputs' layout, as every backend returns them
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-@torch.library.custom_op("kernelforge::flash_attention", mutates_args=())
-def flash_attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window_left: int, window_right: int,
-    attn_mask: Optional[torch.Tensor], block_mask: list[torch.Tensor], block_q: int, block_k: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_qkv(q, k, v)
-    vis = _visibility(q, window_left, window_right, attn_mask, block_mask, block_q, block_k, k)
-    return _forward(q, k, v, scale, vis)
+# ----------------------------------------------------------------------------- definitions
+flash_attention_backward_op = define_op(
+    "kernelforge::flash_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+    "float scale, int window_left, int window_right, Tensor? attn_mask, Tensor[] block_mask, int block_q, "
+    "int block_k) -> (Tensor, Tensor, Tensor)",
+    impl=_backward, fake=_fake_backward, choose=_choose_backward)
 
 
-@flash_attention_op.register_fake
-def _(q, k, v, scale, window_left, window_right, attn_mask, block_mask, block_q, block_k):
-    _check_qkv(q, k, v)
-    return _fake_forward(q, k, v)
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, scale, window_left, window_right, attn_mask, block_mask, block_q, block_k = inputs
+def _save(ctx, inputs, output):
+    q, k, v, scale, window_left, window_right, attn_mask, block_mask, block_q, block_k, *rest = inputs
+    if rest and rest[0] is not None:
+        _refuse_kv_cache_gradients()
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.mark_non_differentiable(lse)  # documented: lse carries no gradient
+    # lse's gradient stays None instead of a tensor of zeros (a fill kernel a backward); out's is
+    # never None here (lse is not differentiable, so only out's gradient runs this node)
+    ctx.set_materialize_grads(False)
     ctx.args = (scale, window_left, window_right, attn_mask, block_mask, block_q, block_k)
 
 
-def _grad(ctx, grad_out, grad_lse):
+def _gradient(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = flash_attention_backward_op(grad_out.contiguous(), q, k, v, out, lse, *ctx.args)
     no_grad_block_mask = [None] * len(ctx.args[4])  # the schema's list input wants a list back
-    return dq, dk, dv, None, None, None, None, no_grad_block_mask, None, None
+    # one gradient an input the call gave (a call may leave cache_seqlens to its default)
+    return (dq, dk, dv, None, None, None, None, no_grad_block_mask, None, None, None)[:len(ctx.needs_input_grad)]
 
 
-flash_attention_op.register_autograd(_grad, setup_context=_setup_context)
-
-
-class _EagerAutograd(torch.autograd.Function):
-    """The registered op's autograd without the dispatcher, for plain eager calls (the
-    dispatcher and Python custom-op glue cost tens of microseconds a call)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, scale, vis):
-        out, lse = _forward(q, k, v, scale, vis)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.vis = scale, vis
-        ctx.mark_non_differentiable(lse)
-        # lse's gradient stays None instead of a tensor of zeros (a fill kernel a backward); out's
-        # is never None here (lse is not differentiable, so only out's gradient runs this node)
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(grad_out.contiguous(), q, k, v, out, lse, ctx.scale, ctx.vis)
-        return dq, dk, dv, None, None
+flash_attention_op = define_op(
+    "kernelforge::flash_attention(Tensor q, Tensor k, Tensor v, float scale, int window_left, int window_right, "
+    "Tensor? attn_mask, Tensor[] block_mask, int block_q, int block_k, Tensor? cache_seqlens=None) "
+    "-> (Tensor, Tensor)",
+    impl=_forward, fake=_fake_forward, choose=_choose_forward, setup_context=_save, backward=_gradient)
 
 
 # ----------------------------------------------------------------------------- public API
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                     scale: Optional[float] = None, attn_mask: Optional[torch.Tensor] = None,
                     window: Optional[tuple[Optional[int], Optional[int]]] = None,
-                    block_mask: Optional[BlockMask] = None, return_lse: bool = False):
+                    block_mask: Optional[BlockMask] = None, return_lse: bool = False,
+                    cache_seqlens: Optional[torch.Tensor] = None):
     """Scaled dot-product attention without the Sq x Sk score matrix (FlashAttention-2).
 
     q: (batch, heads, Sq, head_dim); k: (batch, kv_heads, Sk, head_dim); v: (batch, kv_heads,
@@ -286,6 +381,15 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     block_mask: a kernelforge.BlockMask: tiles it marks empty are skipped.
     return_lse: also return the natural-log log-sum-exp of each row's scores (batch, heads, Sq),
         float32 (float64 for float64 inputs); it is not differentiable.
+    cache_seqlens: (batch,) int32 or int64 on q's device: k and v are a KV cache of capacity Sk
+        filled to cache_seqlens[b] for batch b (flash_attn_with_kvcache's convention). Keys from
+        cache_seqlens[b] on are ignored, and causal / window align to the filled length: off =
+        cache_seqlens[b] - Sq, the Sq queries being the last Sq tokens written, so under causal
+        query i sees key j iff j <= i + cache_seqlens[b] - Sq. The lengths are read on the
+        device only (no host sync): a decode step can be captured in a CUDA graph and replayed
+        after new lengths are written into the same tensor. A length above Sk is the caller's
+        error (it is clamped to Sk on the device), a length of 0 gives zeros. Inference only:
+        raises if a gradient would be needed (q, k or v requiring grad with grad mode on).
 
     A row with no visible key (every key masked) gives zeros, not NaN, and its gradient is
     zero. The backward is deterministic (no atomics) and keeps O(seq) extra memory.
@@ -294,15 +398,16 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     _check_qkv(q, k, v)
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     _check_block_mask(block_mask, q, k)
-    vis = Visibility.of(causal, _check_window(window), _check_mask(attn_mask, q, k), block_mask)
-    if plain_eager_call(q, k, v):
-        if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
-            out, lse = _EagerAutograd.apply(q, k, v, scale, vis)
-        else:
-            out, lse = _forward(q, k, v, scale, vis)
+    left, right = _band(causal, window)
+    attn_mask = _check_mask(attn_mask, q, k)
+    if cache_seqlens is not None:
+        _check_cache_seqlens(cache_seqlens, q)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            _refuse_kv_cache_gradients()
+    if block_mask is None:
+        tensors, block_q, block_k = [], 0, 0
     else:
-        tensors = [] if block_mask is None else [getattr(block_mask, f) for f in _TENSOR_FIELDS]
-        bq, bk = (0, 0) if block_mask is None else (block_mask.block_q, block_mask.block_k)
-        left, right = (-1 if w is None else w for w in (vis.left, vis.right))
-        out, lse = torch.ops.kernelforge.flash_attention(q, k, v, scale, left, right, vis.attn_mask, tensors, bq, bk)
+        tensors = [getattr(block_mask, f) for f in TENSOR_FIELDS]
+        block_q, block_k = block_mask.block_q, block_mask.block_k
+    out, lse = flash_attention_op(q, k, v, scale, left, right, attn_mask, tensors, block_q, block_k, cache_seqlens)
     return (out, lse) if return_lse else out

@@ -8,6 +8,9 @@ and visibility is the AND of:
   window (l, r) i + off - l <= j <= i + off + r  (off = Sk - Sq; None or -1 = unbounded side)
   attn_mask     bool: True = visible; float: added to the scores (-inf hides the key)
   block_mask    a kernelforge.BlockMask
+  seqlens       a KV cache's filled lengths L (B,): batch b sees keys j < L[b] only, and causal /
+                window align to L[b] instead of Sk (off = L[b] - Sq); read on the device,
+                clamped to [0, Sk]
 A row with no visible key gives zeros (not NaN) and log-sum-exp -inf; its gradient is zero.
 
 Memory: the keys are walked in chunks with an online softmax (running max and rescaled
@@ -32,21 +35,23 @@ DEFAULT_CHUNK = 256  # keys per step: large enough for BLAS efficiency, small en
 class Visibility:
     """Which keys each query sees, in the form every backend takes: a band of key offsets
     relative to the query's aligned position i + off (left and right reach, None = unbounded),
-    plus the optional masks."""
+    plus the optional masks and a KV cache's per-batch filled lengths (`seqlens`, (B,) int32 or
+    int64 on the inputs' device: off = seqlens[b] - Sq and keys from seqlens[b] on are hidden)."""
 
     left: Optional[int]
     right: Optional[int]
     attn_mask: Optional[torch.Tensor] = None
     block_mask: Optional[object] = None
+    seqlens: Optional[torch.Tensor] = None
 
     @staticmethod
-    def of(causal: bool, window, attn_mask=None, block_mask=None) -> "Visibility":
+    def of(causal: bool, window, attn_mask=None, block_mask=None, seqlens=None) -> "Visibility":
         left = right = None
         if window is not None:
             left, right = (None if w is None or w < 0 else int(w) for w in window)
         if causal:
             right = 0 if right is None else min(right, 0)
-        return Visibility(left, right, attn_mask, block_mask)
+        return Visibility(left, right, attn_mask, block_mask, seqlens)
 
     @property
     def has_band(self) -> bool:
@@ -65,7 +70,17 @@ def _chunk_bias(vis: Visibility, B: int, H: int, kv_heads: int, Sq: int, Sk: int
     attn_mask; shaped to broadcast against grouped scores (B, Hkv, G, Sq, k1 - k0).
     None when every key of the chunk is visible to every query."""
     bias = None
-    if vis.has_band:
+    if vis.seqlens is not None:  # per batch: the filled length and the band aligned to it, (B, 1, Sq, C)
+        length = vis.seqlens.clamp(0, Sk).view(B, 1, 1, 1)
+        i = torch.arange(Sq, device=device).view(1, 1, -1, 1) + (length - Sq)
+        j = torch.arange(k0, k1, device=device).view(1, 1, 1, -1)
+        seen = j < length
+        if vis.left is not None:
+            seen = seen & (j >= i - vis.left)
+        if vis.right is not None:
+            seen = seen & (j <= i + vis.right)
+        bias = torch.zeros(seen.shape, dtype=acc, device=device).masked_fill_(~seen, -math.inf)
+    elif vis.has_band:
         i = torch.arange(Sq, device=device).view(-1, 1) + (Sk - Sq)
         j = torch.arange(k0, k1, device=device).view(1, -1)
         seen = torch.ones(Sq, k1 - k0, dtype=torch.bool, device=device)
@@ -101,6 +116,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     acc = _acc_dtype(q.dtype)
     qg = _grouped(q.to(acc), Hkv)  # (B, Hkv, G, Sq, D)
     kf, vf = k.to(acc).unsqueeze(2), v.to(acc).unsqueeze(2)  # (B, Hkv, 1, Sk, D)
+    if vis.seqlens is not None:
+        # past a filled length the cache may hold anything (an unfilled buffer's NaN): never let it
+        # into a product, as the kernels never load it
+        filled = (torch.arange(Sk, device=q.device) < vis.seqlens.clamp(0, Sk).view(B, 1)).view(B, 1, 1, Sk, 1)
+        kf, vf = torch.where(filled, kf, 0.0), torch.where(filled, vf, 0.0)
     row_max = torch.full(qg.shape[:-1], -math.inf, dtype=acc, device=q.device)
     row_sum = torch.zeros_like(row_max)
     out = torch.zeros(qg.shape[:-1] + (v.shape[-1],), dtype=acc, device=q.device)

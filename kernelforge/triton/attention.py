@@ -6,8 +6,16 @@ take the split-key decode kernels (kernelforge/triton/attention_decode.py); a sl
 BlockMask on an sm_90 GPU takes the Gluon forward (kernelforge/triton/attention_gluon.py) where
 it applies, and a backward without attn_mask or BlockMask the Gluon one (attention_gluon_backward.py).
 Inputs may have any strides whose last dimension is unit (else one copy); outputs are dense.
-Masks are read through their strides (a broadcast mask is never materialized). Launches run on
-the current CUDA stream of q's device, and on CPU tensors under TRITON_INTERPRET=1.
+Masks are read through their strides (a broadcast mask is never materialized). A KV cache's
+filled lengths (vis.seqlens) are read by the decode and forward kernels on the device (no host
+read: a decode step can be captured in a CUDA graph); the backward does not take them. Launches
+run on the current CUDA stream of q's device, and on CPU tensors under TRITON_INTERPRET=1.
+
+`traceable(q, k, v, vis, backward)` says whether a call launches only plain @triton.jit kernels
+through kernelforge.triton._launch.launch (what torch.compile can trace into), decided from
+shapes, dtypes, options and the device, never from data pointers: False wherever a Gluon kernel
+(Hopper; host-side TMA descriptors) may run. The launchers take the Gluon kernels only where it
+is False, so a traced call never reaches them.
 """
 from __future__ import annotations
 
@@ -34,7 +42,8 @@ class TileConfig:
 
 
 def _pow2(n: int) -> int:
-    return max(16, next_power_of_2(n))
+    # int(): a constexpr; under torch.compile's dynamic shapes a head dim or row count is specialized
+    return max(16, next_power_of_2(int(n)))
 
 
 # Forward tiles by padded head dim. Each program keeps a BLOCK_M x D query tile and a
@@ -158,17 +167,42 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
+def _gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility):
+    """attention_gluon where its forward may run these inputs (a sliding window or a BlockMask on
+    Hopper, not a decode; everything but the data pointers' alignment checked), else None."""
+    if not q.is_cuda or (vis.left is None and vis.block_mask is None) or vis.seqlens is not None:
+        return None
+    gluon = gluon_module("attention_gluon")
+    if gluon is None or not gluon.may_take(q, k, v, vis, device_capability(q.device)):
+        return None
+    return None if attention_decode.takes(q, k, vis) else gluon
+
+
+def _gluon_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility):
+    """attention_gluon_backward where it may run these inputs (as _gluon_forward), else None."""
+    if not q.is_cuda:
+        return None
+    gluon = gluon_module("attention_gluon_backward")
+    if gluon is None or not gluon.may_take(q, k, v, vis, device_capability(q.device)):
+        return None
+    return gluon
+
+
+def traceable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility, backward: bool = False) -> bool:
+    """Whether flash_forward (flash_backward) on these inputs launches only plain @triton.jit
+    kernels through launch, which torch.compile traces (module docstring)."""
+    return (_gluon_backward if backward else _gluon_forward)(q, k, v, vis) is None
+
+
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, vis: Visibility):
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     if attention_decode.takes(q, k, vis):  # a few queries, a long cache: split the keys
         return attention_decode.decode_forward(q, k, v, scale, vis, _mask_args(q, vis), _band(vis), _precision(q),
                                                _pow2, LOG2E)
-    if q.is_cuda and (vis.left is not None or vis.block_mask is not None):
-        # a sliding window or a BlockMask on Hopper: the Gluon forward (attention_gluon.py)
-        gluon = gluon_module("attention_gluon")
-        if gluon is not None and gluon.takes(q, k, v, vis, device_capability(q.device)):
-            with on_device(q):
-                return gluon.forward(q, k, v, scale, vis)
+    gluon = _gluon_forward(q, k, v, vis)  # a sliding window or a BlockMask on Hopper (attention_gluon.py)
+    if gluon is not None and gluon.tma_ready(q, k, v):
+        with on_device(q):
+            return gluon.forward(q, k, v, scale, vis)
     B, H, Sq, D = q.shape
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     out = torch.empty(B, H, Sq, Dv, dtype=q.dtype, device=q.device)
@@ -181,14 +215,15 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     with on_device(q):
         launch(
             flash_forward_kernel, grid,
-            q, k, v, out, lse, mask, counts, full, blocks, partial, bits,
+            q, k, v, out, lse, mask, counts, full, blocks, partial, bits, q if vis.seqlens is None else vis.seqlens,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
             *mstr, scb, sch, sbb, sbh,
             H, H // Hkv, Sq, Sk, Sk - Sq, left, right, scale * LOG2E, nkb,
             HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_LEFT=has_left, HAS_RIGHT=has_right,
-            HAS_BAND=has_left or has_right, MASK_KIND=mask_kind, BLOCK_SPARSE=vis.block_mask is not None,
-            MB_Q=mb_q, MB_K=mb_k, PRECISION=_precision(q), ONE_LOOP=_one_loop(vis, mask_kind, "forward"),
+            HAS_BAND=has_left or has_right or vis.seqlens is not None, MASK_KIND=mask_kind,
+            BLOCK_SPARSE=vis.block_mask is not None, MB_Q=mb_q, MB_K=mb_k, PRECISION=_precision(q),
+            ONE_LOOP=_one_loop(vis, mask_kind, "forward"), HAS_SEQLENS=vis.seqlens is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return out, lse
@@ -201,7 +236,7 @@ def flash_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     B, H, Sq, D = q.shape
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
-    gluon = gluon_module("attention_gluon_backward") if q.is_cuda else None  # Hopper: attention_gluon_backward.py
+    gluon = _gluon_backward(q, k, v, vis)  # Hopper: attention_gluon_backward.py
     if gluon is not None and not gluon.takes(grad_out, q, k, v, vis, device_capability(q.device)):
         gluon = None
     with on_device(q):

@@ -10,6 +10,11 @@ The q heads that share a kv head (GQA) and their query tokens form the rows of o
 from memory once for the whole group: the cache dominates the bytes, 2 * B * Hkv * Sk * D
 elements, read once; FLOPs 4 * B * H * Sq * Sk * D. Memory bound: the rows pad to 16 for
 the tensor cores, the masks are applied on every tile (their cost hides under the loads).
+
+A KV cache's filled lengths (vis.seqlens, (B,) on the device) are read by the split kernel: a
+range past batch b's length runs no tile, and the band aligns to that length. Nothing about
+them reaches the host, so a decode step can be captured in a CUDA graph and replayed with new
+lengths written into the same tensor; the split count follows the cache's capacity Sk.
 """
 from __future__ import annotations
 
@@ -45,20 +50,24 @@ def takes(q: torch.Tensor, k: torch.Tensor, vis: Visibility) -> bool:
 
 @triton.jit
 def decode_split_kernel(
-    Q, K, V, O_PART, LSE_PART, MASK,
+    Q, K, V, O_PART, LSE_PART, MASK, SEQLENS,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
     smb, smh, smm, smn,
     H, HKV, GROUP, Sq, Sk, off, LEFT, RIGHT, qk_scale, keys_per_split,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    MASK_KIND: tl.constexpr, PRECISION: tl.constexpr,
+    MASK_KIND: tl.constexpr, PRECISION: tl.constexpr, HAS_SEQLENS: tl.constexpr,
 ):
     """Partial attention of every (q head of the group, query) row over one key range:
-    normalized out (float32) and lse in log2 units (-inf when the range shows the row nothing)."""
+    normalized out (float32) and lse in log2 units (-inf when the range shows the row nothing).
+    HAS_SEQLENS: batch b's keys end at SEQLENS[b] (clamped to [0, Sk]), its band aligns there."""
     split = tl.program_id(0)
     pid = tl.program_id(1)
     b = pid // HKV
     hk = pid % HKV
+    if HAS_SEQLENS:
+        Sk = tl.minimum(tl.maximum(tl.load(SEQLENS + b), 0), Sk).to(tl.int32)
+        off = Sk - Sq
     r = tl.arange(0, ROWS)
     g = r // Sq
     row_ok = g < GROUP
@@ -127,9 +136,10 @@ def decode_forward(q, k, v, scale: float, vis: Visibility, mask_args, band, prec
     mask, mstr, mask_kind = mask_args
     left, right, has_left, has_right = band
     programs = B * Hkv
-    splits = max(1, min(PROGRAMS_PER_SM * sm_count(q.device) // programs, cdiv(Sk, KEYS_PER_SPLIT)))
+    # int(): a launch size and a constexpr (BLOCK_S); under torch.compile's dynamic shapes, a guard
+    splits = int(max(1, min(PROGRAMS_PER_SM * sm_count(q.device) // programs, cdiv(Sk, KEYS_PER_SPLIT))))
     keys_per_split = cdiv(cdiv(Sk, splits), BLOCK_N) * BLOCK_N
-    splits = cdiv(Sk, keys_per_split)
+    splits = int(cdiv(Sk, keys_per_split))
     o_part = torch.empty(splits, B, H, Sq, Dv, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(splits, B, H, Sq, dtype=torch.float32, device=q.device)
     out = torch.empty(B, H, Sq, Dv, dtype=q.dtype, device=q.device)
@@ -142,11 +152,11 @@ def decode_forward(q, k, v, scale: float, vis: Visibility, mask_args, band, prec
     with on_device(q):
         launch(
             decode_split_kernel, (splits, programs),
-            q, k, v, o_part, lse_part, mask,
+            q, k, v, o_part, lse_part, mask, q if vis.seqlens is None else vis.seqlens,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *mstr,
             H, Hkv, group, Sq, Sk, Sk - Sq, left, right, scale * log2e, keys_per_split,
             HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv), ROWS=pow2(group * Sq),
             BLOCK_N=BLOCK_N, HAS_LEFT=has_left, HAS_RIGHT=has_right, MASK_KIND=mask_kind, PRECISION=precision,
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+            HAS_SEQLENS=vis.seqlens is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
         launch(decode_merge_kernel, (rows,), *merge_args, **merge_meta)
     return out, lse

@@ -370,19 +370,29 @@ def _tma_ready(t: torch.Tensor) -> bool:
             and all((s * size) % 16 == 0 and (s > 0 or n == 1) for s, n in zip(t.stride()[:-1], t.shape[:-1])))
 
 
-def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility, capability) -> bool:
-    """Whether this forward runs these inputs: an sm_90 GPU; a band with a bounded left reach,
-    or a BlockMask whose tiles are multiples of the kernel's 64 x 64 (with or without a band);
-    no attn_mask; fp16 / bf16 with head dims 64 or 128; non-empty; TMA-able."""
+def may_take(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility, capability) -> bool:
+    """Whether this forward runs these inputs, but for their memory's alignment (tma_ready): an
+    sm_90 GPU; a band with a bounded left reach, or a BlockMask whose tiles are multiples of the
+    kernel's 64 x 64 (with or without a band); no attn_mask, no KV cache lengths; fp16 / bf16 with
+    head dims 64 or 128; non-empty. Reads no data pointer: also what torch.compile's tracing asks."""
     bm = vis.block_mask
     if bm is not None:
         region = ENABLED["block_mask"] and bm.block_q % BLOCK_M == 0 and bm.block_k % BLOCK_N == 0
     else:
         region = ENABLED["window"] and vis.left is not None
-    return (region and capability == (9, 0) and vis.attn_mask is None
+    return (region and capability == (9, 0) and vis.attn_mask is None and vis.seqlens is None
             and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
-            and q.shape[-1] in HEAD_DIMS and v.shape[-1] == q.shape[-1] and q.shape[2] > 0 and k.shape[2] > 0
-            and all(_tma_ready(t) for t in (q, k, v)))
+            and q.shape[-1] in HEAD_DIMS and v.shape[-1] == q.shape[-1] and q.shape[2] > 0 and k.shape[2] > 0)
+
+
+def tma_ready(*tensors: torch.Tensor) -> bool:
+    """Whether TMA descriptors can read every one of these tensors (_tma_ready)."""
+    return all(_tma_ready(t) for t in tensors)
+
+
+def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility, capability) -> bool:
+    """Whether this forward runs these inputs: may_take, and q, k, v TMA-able."""
+    return may_take(q, k, v, vis, capability) and tma_ready(q, k, v)
 
 
 @functools.lru_cache(maxsize=None)

@@ -381,22 +381,28 @@ def dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, O, sob, soh,
 
 
 # ----------------------------------------------------------------------------- launcher
-def takes(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility,
-          capability) -> bool:
-    """Whether this backward runs these inputs: an sm_90 GPU; no attn_mask; any band (a window,
-    causal or none), or a BlockMask (while ENABLED["block_mask_backward"]) of tiles that are
-    multiples of 64 on each side whose lists do not differ between the q heads of a kv head;
-    fp16 / bf16 with head dims 64 or 128; non-empty; q, k, v and the output's gradient
-    TMA-able."""
+def may_take(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility, capability) -> bool:
+    """Whether this backward runs these inputs, but for the output gradient's dtype and every
+    tensor's alignment (takes): an sm_90 GPU; no attn_mask; any band (a window, causal or none),
+    or a BlockMask (while ENABLED["block_mask_backward"]) of tiles that are multiples of 64 on
+    each side whose lists do not differ between the q heads of a kv head; fp16 / bf16 with head
+    dims 64 or 128; non-empty. Reads no data pointer: also what torch.compile's tracing asks."""
     bm = vis.block_mask
     if bm is not None:  # dK/dV reads one list per kv head: the mask's lists must not differ within a group
         region = (ENABLED["block_mask_backward"] and bm.block_q % BLOCK_M == 0 and bm.block_k % BLOCK_N == 0
                   and (bm.q_counts.shape[1] == 1 or k.shape[1] == q.shape[1]))
     else:
         region = ENABLED["backward"]
-    return (region and vis.attn_mask is None and capability == (9, 0)
-            and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype and grad_out.dtype == q.dtype
-            and q.shape[-1] in HEAD_DIMS and v.shape[-1] == q.shape[-1] and q.shape[2] > 0 and k.shape[2] > 0
+    return (region and vis.attn_mask is None and vis.seqlens is None and capability == (9, 0)
+            and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
+            and q.shape[-1] in HEAD_DIMS and v.shape[-1] == q.shape[-1] and q.shape[2] > 0 and k.shape[2] > 0)
+
+
+def takes(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility,
+          capability) -> bool:
+    """Whether this backward runs these inputs: may_take, the output's gradient in q's dtype, and
+    q, k, v and the output's gradient TMA-able."""
+    return (may_take(q, k, v, vis, capability) and grad_out.dtype == q.dtype
             and all(_tma_ready(t) for t in (q, k, v, grad_out)))
 
 

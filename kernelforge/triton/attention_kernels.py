@@ -99,17 +99,23 @@ def _forward_tile(acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n
 
 @triton.jit
 def flash_forward_kernel(
-    Q, K, V, O, LSE, MASK, COUNTS, FULL, BLOCKS, PARTIAL, BITS,
+    Q, K, V, O, LSE, MASK, COUNTS, FULL, BLOCKS, PARTIAL, BITS, SEQLENS,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
     smb, smh, smm, smn, scb, sch, sbb, sbh,
     H, GROUP, Sq, Sk, off, LEFT, RIGHT, qk_scale, NUM_MB_K,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_BAND: tl.constexpr, MASK_KIND: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MB_Q: tl.constexpr,
-    MB_K: tl.constexpr, PRECISION: tl.constexpr, ONE_LOOP: tl.constexpr,
+    MB_K: tl.constexpr, PRECISION: tl.constexpr, ONE_LOOP: tl.constexpr, HAS_SEQLENS: tl.constexpr,
 ):
+    """HAS_SEQLENS: a KV cache filled to SEQLENS[b] (clamped to [0, Sk]): the keys, the tile ranges
+    and the band's alignment all end there (the launcher sets HAS_BAND, so that a BlockMask's full
+    tiles are checked against it too)."""
     pid_bh, b, h, m0, offs_m, q, k_base, v_base, mask_base = _query_tile(
         Q, K, V, MASK, sqb, sqh, sqm, skb, skh, svb, svh, smb, smh, H, GROUP, Sq, HEAD_DIM, BLOCK_M, BLOCK_D)
+    if HAS_SEQLENS:
+        Sk = tl.minimum(tl.maximum(tl.load(SEQLENS + b), 0), Sk).to(tl.int32)
+        off = Sk - Sq
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)

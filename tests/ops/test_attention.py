@@ -11,6 +11,7 @@ import kernelforge as kf
 from tests.attention_oracle import gradient_term_scales, naive_attention
 from tests.conftest import HAS_CUDA, backend_cases
 from tests.numerics import assert_matches_oracle
+from tests.op_paths import assert_eager_path_equals_registered_op
 
 GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -291,6 +292,13 @@ def test_empty_inputs():
     (dict(attn_mask=torch.ones(4, 5, dtype=torch.int64)), "attn_mask must be bool"),
     (dict(attn_mask=torch.zeros(4, 5, requires_grad=True)), "attn_mask.detach"),
     (dict(block_mask=torch.ones(4, 5)), "kernelforge.BlockMask"),
+    (dict(cache_seqlens=[3]), "cache_seqlens must be a tensor of int32 or int64 lengths"),
+    (dict(cache_seqlens=torch.tensor([3.0])), "cache_seqlens must have dtype int32 or int64, got torch.float32"),
+    (dict(cache_seqlens=torch.tensor([3, 4])), r"cache_seqlens must have shape \(batch,\) = \(1,\), got \(2,\)"),
+    (dict(cache_seqlens=torch.tensor([[3]])), r"cache_seqlens must have shape \(batch,\) = \(1,\), got \(1, 1\)"),
+    (dict(cache_seqlens=torch.tensor([3], device="meta")), "cache_seqlens must be on q's device cpu, got meta"),
+    (dict(q=torch.randn(1, 4, 4, 8, requires_grad=True), cache_seqlens=torch.tensor([3])),
+     "gradients with cache_seqlens are not computed"),
 ])
 def test_bad_input_is_named(kwargs, match):
     args = dict(q=torch.randn(1, 4, 4, 8), k=torch.randn(1, 2, 5, 8), v=torch.randn(1, 2, 5, 8))
@@ -312,3 +320,16 @@ def test_default_backend_on_gpu_runs_backward_on_triton():
     q, k, v = (torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     kf.flash_attention(q, k, v, causal=True).sum().backward()
     assert "triton" in kf.explain("attention", q, k, v, backward=True)
+
+
+def test_eager_fast_path_equals_registered_op():
+    # kf.flash_attention runs the implementation directly in plain eager mode (through the op's
+    # generated autograd.Function when a gradient is needed) and the registered op elsewhere
+    from kernelforge.ops.attention import flash_attention_op
+
+    k, v = torch.randn(2, 2, 11, 16), torch.randn(2, 2, 11, 16)
+    x = torch.randn(2, 11, 4, 16).transpose(1, 2)  # (batch, seq, heads, dim) storage
+    assert_eager_path_equals_registered_op(
+        lambda t: kf.flash_attention(t, k, v, causal=True, scale=0.3), flash_attention_op,
+        lambda t: torch.ops.kernelforge.flash_attention(t, k, v, 0.3, -1, 0, None, [], 0, 0)[0], x)
+
