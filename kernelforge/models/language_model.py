@@ -5,10 +5,11 @@ embeddings) at the five levels, with KV-cache generation.
     logits = model(ids)                                  # (B, T) -> (B, T, vocab)
     out = model.generate(ids, max_new_tokens=32, temperature=0.8, top_k=40)   # (B, T + 32)
 
-Generation keeps keys and values of every layer in one cache (layers, 2, B, H, T_total, D).
-The native / torchscript / compile levels attend over the whole cache under a mask, so one
-trace or one compiled graph serves every decode step; the kernelforge levels attend over the
-filled part only, where flash-decoding splits the keys across the GPU.
+Generation keeps each layer's keys and values in a static cache (B, H, rows, D), rows bucketed
+(kernelforge.models.decoding), and decodes one token a step in a CUDA graph on a GPU. The torch
+levels attend over the whole cache under a mask computed on the device; the kernelforge levels
+(and the fastest) attend over the filled rows only (flash_attention's cache_seqlens), where
+flash-decoding splits the keys across the GPU.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from kernelforge.models.decoding import Decoder, cache_rows, decoder_key, sample
 from kernelforge.models.levels import LevelledModel
 from kernelforge.models.transformer import BlockConfig, Linear, Norm, TransformerLayer
 
@@ -44,6 +46,8 @@ class LanguageModelConfig:
 
 class LanguageModel(LevelledModel):
     """Causal transformer language model; `level` as in kernelforge.models.LEVELS."""
+
+    WHOLE_GRAPH_METHODS = ("compute_step",)  # the decode step: compiled whole, in CUDA graphs, at compile too
 
     def __init__(self, vocab_size: int, dim: int = 512, n_layers: int = 6, n_heads: int = 8,
                  max_seq_len: int = 1024, *, mlp_ratio: float = 4.0, norm: str = "rms", level: str = "native"):
@@ -92,25 +96,67 @@ class LanguageModel(LevelledModel):
         logits = self.compute(ids[:, :-1])  # (B, T - 1, vocab)
         return self.kernels.ops.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
 
-    def compute_cached(self, ids, positions, cache):
-        """ids (B, T) at `positions` (T,) -> logits of the last token (B, vocab); writes the
-        layers' keys and values into cache (layers, 2, B, H, S, D)."""
+    def compute_cached(self, ids, positions, cache, last=None):
+        """ids (B, T) at `positions` (T,) (consecutive, on ids' device) -> the logits (B, vocab) of the
+        token at index `last` ((1,) on the device; default the last token); writes the layers' keys and
+        values at those positions into `cache` (new_cache's pairs)."""
         x = self._embed(ids, positions)
-        end = self.kernels.ops.cache_end(positions)  # a host read on the kernelforge levels only
-        for i, layer in enumerate(self.layers):
-            x = layer.forward_cached(x, positions, cache[i, 0], cache[i, 1], end)
-        return self.head(self.norm(x[:, -1:]))[:, 0]
+        seqlens = self.kernels.ops.cache_seqlens(positions, ids.shape[0])  # once for every layer
+        for layer, (cache_k, cache_v) in zip(self.layers, cache):
+            x = layer.forward_cached(x, positions, cache_k, cache_v, seqlens)
+        x = x[:, -1:] if last is None else x.index_select(1, last)  # only one token's logits are needed
+        return self.head(self.norm(x))[:, 0]
 
-    def new_cache(self, batch: int, length: int, dtype: torch.dtype, device) -> torch.Tensor:
+    def compute_step(self, ids, position, cache):
+        """One decode step: ids (B, 1) at position (1,) -> logits (B, vocab), the cache written there.
+        compute_cached under its own name, so that the compile level compiles it whole and in CUDA
+        graphs (WHOLE_GRAPH_METHODS) and the prefill apart."""
+        return self.compute_cached(ids, position, cache)
+
+    def new_cache(self, batch: int, length: int, dtype: torch.dtype, device) -> tuple:
+        """A KV cache of `length` rows: a (keys, values) pair per layer, each (B, H, length, D). Separate
+        tensors: under torch.compile a write into a view of one larger tensor becomes a copy of all of it.
+        Zeros: rows past the position enter attention's weighted sum with weight 0, and 0 * nan is nan."""
         cfg = self.config
-        return torch.zeros(cfg.n_layers, 2, batch, cfg.n_heads, length, cfg.dim // cfg.n_heads, dtype=dtype,
-                           device=device)
+        shape = (batch, cfg.n_heads, length, cfg.dim // cfg.n_heads)
+        return tuple((torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                     for _ in range(cfg.n_layers))
+
+    def decoder(self, batch: int, total: int, ids_dtype: torch.dtype = torch.int64, device=None) -> Decoder:
+        """The decoding state (kernelforge.models.decoding.Decoder) for `batch` sequences of up to `total`
+        positions: the model keeps one and reuses it, with its cache and graphs, while the level, batch,
+        bucketed length (cache_rows), dtypes, device and parameters stay the same."""
+        if not 1 <= total <= self.config.max_seq_len:
+            raise ValueError(f"LanguageModel.decoder: total must be in 1..max_seq_len ({self.config.max_seq_len}), "
+                             f"got {total}")
+        device = torch.device(device) if device is not None else self.tok_emb.weight.device
+        rows = cache_rows(total, self.config.max_seq_len)
+        key = decoder_key(self, batch, rows, ids_dtype, device)
+        if self._decoder is None or self._decoder.key != key:
+            self._decoder = None  # the old cache and graph go before the new ones are allocated
+            self._decoder = Decoder(self, batch, rows, ids_dtype, device, key)
+        return self._decoder
+
+    @property
+    def decoding(self) -> Optional[Decoder]:
+        """The decoder the last generate call used (None before any)."""
+        return self._decoder
+
+    def set_level(self, level: str) -> "LanguageModel":
+        self._decoder = None  # its graphs and compiled step belong to the previous level
+        return super().set_level(level)
+
+    def __getstate__(self):
+        # the decoder's graphs hold this model's memory: a copy starts without one
+        return {**super().__getstate__(), "_decoder": None}
 
     @torch.no_grad()
     def generate(self, ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None,
                  generator: Optional[torch.Generator] = None) -> torch.Tensor:
         """Appends max_new_tokens sampled tokens to ids (B, T): softmax(logits / temperature)
-        restricted to the top_k tokens; temperature 0 takes the most likely token."""
+        restricted to the top_k tokens; temperature 0 takes the most likely token. The prompt is
+        prefilled once, then each token is one step of a static-cache decoder (kernelforge.models.decoding),
+        graphed on a GPU; the tokens stay on the device until the end."""
         if max_new_tokens < 0:
             raise ValueError(f"LanguageModel.generate: max_new_tokens must be >= 0, got {max_new_tokens}")
         if temperature < 0:
@@ -120,28 +166,17 @@ class LanguageModel(LevelledModel):
         self._check_ids(ids, start=max_new_tokens)
         if max_new_tokens == 0:
             return ids
-        batch, prompt = ids.shape
-        cache = self.new_cache(batch, prompt + max_new_tokens, self.tok_emb.weight.dtype, ids.device)
-        positions = torch.arange(prompt, device=ids.device)
-        logits = self.run("compute_cached", ids, positions, cache)
-        tokens = [ids]
+        if ids.shape[1] == 0:
+            raise ValueError("LanguageModel.generate: ids must hold at least one token per sequence, got shape "
+                             f"{tuple(ids.shape)}")
+        decoder = self.decoder(ids.shape[0], ids.shape[1] + max_new_tokens, ids.dtype, ids.device)
+        logits = decoder.prefill(ids)
+        tokens = []
         for step in range(max_new_tokens):
-            tokens.append(_sample(logits, temperature, top_k, generator))
+            tokens.append(sample(logits, temperature, top_k, generator))
             if step + 1 < max_new_tokens:
-                logits = self.run("compute_cached", tokens[-1], positions[-1:] + step + 1, cache)
-        return torch.cat(tokens, dim=1)
-
-
-def _sample(logits: torch.Tensor, temperature: float, top_k: Optional[int],
-            generator: Optional[torch.Generator]) -> torch.Tensor:
-    """(B, vocab) -> (B, 1) token ids."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+                logits = decoder.step(tokens[-1])
+        return torch.cat([ids, *tokens], dim=1)
 
 
 __all__ = ["LanguageModel", "LanguageModelConfig"]

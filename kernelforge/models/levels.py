@@ -132,14 +132,17 @@ class TorchKernels:
         mask = _causal_mask(q.shape[-2], k.shape[-2], q.device) if causal else None
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
 
-    def cache_end(self, positions):
-        """What cached_attention needs to know on the host, read once a decode step: nothing here."""
+    def cache_seqlens(self, positions, batch: int):
+        """What cached_attention needs besides the positions, computed once a step for every layer:
+        nothing here (the mask comes from the positions)."""
         return None
 
-    def cached_attention(self, q, cache_k, cache_v, positions, end):
-        """q (B, H, T, D) of the tokens at `positions` (T,) against a KV cache (B, H, S, D) whose
-        rows up to each query's position are filled. Static shapes (the whole cache, masked), so
-        a trace or a compiled graph serves every decode step; `end` is unused."""
+    def cached_attention(self, q, cache_k, cache_v, positions, seqlens):
+        """q (B, H, T, D) of the tokens at `positions` (T,) against a static KV cache (B, H, S, D)
+        whose rows up to each query's position are filled. The whole cache under a mask computed on
+        the device from the positions: one shape for every step (one trace, one compiled graph, one
+        CUDA graph), no host read; rows past the position are hidden (they hold zeros, a padded
+        prompt's or an earlier call's keys). `seqlens` is unused."""
         visible = torch.arange(cache_k.shape[-2], device=q.device)[None, :] <= positions[:, None]
         return F.scaled_dot_product_attention(q, cache_k, cache_v, attn_mask=visible)
 
@@ -194,16 +197,17 @@ class KernelforgeKernels:
 
         return kf.flash_attention(q, k, v, causal=causal)
 
-    def cache_end(self, positions):
-        """The filled length of the cache (one host read a decode step, shared by the layers)."""
-        return int(positions[-1]) + 1
+    def cache_seqlens(self, positions, batch: int):
+        """The cache's filled length, int32 (B,) on the device: one past the last position (the
+        positions are consecutive). Computed on the device, so no step reads a value on the host."""
+        return (positions[-1:] + 1).to(torch.int32).expand(batch).contiguous()
 
-    def cached_attention(self, q, cache_k, cache_v, positions, end):
-        """Attends over the cache's first `end` rows only (flash-decoding splits those keys); the
-        positions are consecutive, so causal bottom-right alignment is exact."""
+    def cached_attention(self, q, cache_k, cache_v, positions, seqlens):
+        """Attends over the cache's first `seqlens` rows only (flash-decoding runs no tile past them),
+        causal offsets aligned to that length; the cache keeps one shape for every step."""
         import kernelforge as kf
 
-        return kf.flash_attention(q, cache_k[:, :, :end], cache_v[:, :, :end], causal=True)
+        return kf.flash_attention(q, cache_k, cache_v, causal=True, cache_seqlens=seqlens)
 
     def swiglu(self, gate_up):
         import kernelforge as kf
@@ -241,6 +245,11 @@ class FastestKernels(KernelforgeKernels):
     # cuDNN / FlashAttention-2 through SDPA: kernelforge's head-dim-64 attention runs at 0.77x
     # cuDNN forward and slower backward.
     attention = TorchKernels.attention
+    # A decode step's attention is bound by reading the KV cache: kernelforge's flash-decoding reads
+    # the filled rows only (cache_seqlens), where SDPA under a mask reads the whole static cache every
+    # step. (Not yet timed against SDPA inside the compiled step: the demo's decode row measures it.)
+    cache_seqlens = KernelforgeKernels.cache_seqlens
+    cached_attention = KernelforgeKernels.cached_attention
 
 
 TORCH_KERNELS = TorchKernels()
@@ -278,14 +287,19 @@ class _Method(torch.nn.Module):
         return getattr(self.model, self.method)(*inputs)
 
 
-def _signature(inputs: tuple) -> tuple:
-    return tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) if isinstance(t, torch.Tensor) else t
-                 for t in inputs)
+def _signature(inputs) -> tuple:
+    """Shapes, dtypes, devices and grad flags, nested tuples and lists (a KV cache) included."""
+    return tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) if isinstance(t, torch.Tensor)
+                 else _signature(t) if isinstance(t, (tuple, list)) else t for t in inputs)
 
 
 class LevelledModel(Component):
     """A model that runs at one of LEVELS. Subclasses compute in methods named by `run`;
     `forward` runs `compute` at the model's level."""
+
+    # Methods the compile level compiles as one whole graph in CUDA graphs on a GPU, as the fastest
+    # level compiles every method: a decode step (static shapes, called once a token, launch-bound).
+    WHOLE_GRAPH_METHODS: tuple = ()
 
     def _init_level(self, level: str) -> None:
         """Call at the end of a subclass's __init__: shares one KernelChoice with every
@@ -332,13 +346,14 @@ class LevelledModel(Component):
         self.set_level(level)
         return f"level set to {level!r} (its parameters are on {device.type})"
 
-    def _compiled(self, method: str, inputs: tuple, fastest: bool = False):
-        """The compiled method: torch.compile's defaults at the compile level; at the fastest level
-        the whole method as one graph, captured in CUDA graphs when it runs on a GPU."""
+    def _compiled(self, method: str, inputs: tuple, whole: bool = False):
+        """The compiled method: torch.compile's defaults at the compile level; `whole` (the fastest
+        level, WHOLE_GRAPH_METHODS at the compile level) the whole method as one graph, captured in
+        CUDA graphs when it runs on a GPU."""
         compiled = self._wrapped.get(method)
         if compiled is None:
             options = {}
-            if fastest:
+            if whole:
                 device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
                 options = {"fullgraph": True, **({"mode": "reduce-overhead"} if device.type == "cuda" else {})}
             compiled = self._wrapped[method] = torch.compile(_Method(self, method), **options)
@@ -368,14 +383,14 @@ class LevelledModel(Component):
         if level == FASTEST:
             self.kernels.ops = FASTEST_KERNELS
             try:
-                return self._compiled(method, inputs, fastest=True)(*inputs)
+                return self._compiled(method, inputs, whole=True)(*inputs)
             finally:
                 self.kernels.ops = TORCH_KERNELS
         self.kernels.ops = TORCH_KERNELS
         if level == "native":
             return getattr(self, method)(*inputs)
         if level == "compile":
-            return self._compiled(method, inputs)(*inputs)
+            return self._compiled(method, inputs, whole=method in self.WHOLE_GRAPH_METHODS)(*inputs)
         # torchscript: one trace per input signature (shapes, dtypes, mode), since a trace
         # records the shapes it saw; the per-shape retrace makes its shape warnings moot. The
         # parameters' identities are in the key too: a trace holds the tensors it saw, so after

@@ -105,13 +105,16 @@ class SelfAttention(Component):
         q, k, v = self._heads(x)
         return self._merge(self.kernels.ops.attention(q, k, v, self.causal))
 
-    def forward_cached(self, x, positions, cache_k, cache_v, end):
-        """x (B, T, C) at `positions` (T,); cache_k / cache_v (B, H, S, D) are written at those
-        positions, then the queries attend over the cache (`end`: the kernel set's cache_end)."""
+    def forward_cached(self, x, positions, cache_k, cache_v, seqlens):
+        """x (B, T, C) at `positions` ((T,), on the device); cache_k / cache_v (B, H, S, D) are written
+        at those positions, then the queries attend over the cache (`seqlens`: the kernel set's
+        cache_seqlens). The writes index with the device positions, so a step's shapes and its CUDA
+        graph do not depend on where it writes; cache_k and cache_v are whole tensors, not views of a
+        larger one: under torch.compile a write into a view becomes a copy of the whole base."""
         q, k, v = self._heads(x)
         cache_k.index_copy_(2, positions, k)
         cache_v.index_copy_(2, positions, v)
-        return self._merge(self.kernels.ops.cached_attention(q, cache_k, cache_v, positions, end))
+        return self._merge(self.kernels.ops.cached_attention(q, cache_k, cache_v, positions, seqlens))
 
 
 class MLP(Component):
@@ -145,8 +148,8 @@ class TransformerLayer(Component):
         normed, h = self.norm2.add(self.attn(self.norm1(x)), x)
         return h + self.mlp(normed)
 
-    def forward_cached(self, x, positions, cache_k, cache_v, end):
-        normed, h = self.norm2.add(self.attn.forward_cached(self.norm1(x), positions, cache_k, cache_v, end), x)
+    def forward_cached(self, x, positions, cache_k, cache_v, seqlens):
+        normed, h = self.norm2.add(self.attn.forward_cached(self.norm1(x), positions, cache_k, cache_v, seqlens), x)
         return h + self.mlp(normed)
 
 
