@@ -15,8 +15,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     demo.add_argument("--out", default="demo-results", help="output directory (default demo-results)")
     demo.add_argument("--levels", default=None,
-                      help="comma-separated levels (default the five: native,torchscript,compile,triton,cuda; "
-                           "also reference: kernelforge's ops on their CPU implementations)")
+                      help="comma-separated levels (default the five, native,torchscript,compile,triton,cuda, and "
+                           "fastest: torch.compile with kernelforge's kernels in CUDA graphs; also reference: "
+                           "kernelforge's ops on their CPU implementations)")
     demo.add_argument("--size", choices=("small", "realistic"), default=None,
                       help="model sizes (default: realistic on a GPU, small on a CPU)")
     demo.add_argument("--repeat", type=int, default=None, help="timed calls per level (default 10 GPU, 3 CPU)")
@@ -54,11 +55,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _demo(args) -> int:
-    from kernelforge.demo import run_demo
+    from kernelforge.demo import DEMO_LEVELS, run_demo
     from kernelforge.models import LEVELS
     from kernelforge.models.levels import EXTRA_LEVELS
 
-    levels = LEVELS if args.levels is None else tuple(args.levels.split(","))
+    levels = DEMO_LEVELS if args.levels is None else tuple(args.levels.split(","))
     unknown = [lv for lv in levels if lv not in LEVELS + EXTRA_LEVELS]
     if unknown:
         sys.stderr.write(f"kernelforge demo: unknown level(s) {unknown}; expected some of {LEVELS + EXTRA_LEVELS}\n")
