@@ -72,13 +72,14 @@ def why_not(a: torch.Tensor, b: torch.Tensor, compute: str = "fp32") -> Optional
 # The interface every backend of the gemm op implements (kernelforge/reference/gemm.py).
 def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
          activation: Optional[str], compute: str, out_dtype: torch.dtype, save_preact: bool,
-         scale_a: Optional[torch.Tensor] = None, scale_b: Optional[torch.Tensor] = None
-         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(out, preact or None): out (batch, M, N) dense in out_dtype. a (batch, M, K) and b
-    (batch, K, N) of compute's dtype with any strides (batch stride 0 for a shared operand),
-    bias (N,) and residual (batch, M, N) of any float dtype and strides. The binding checks
-    shapes and devices again and raises with the argument and what came. scale_a / scale_b
-    belong to compute "fp8", which this kernel does not run (why_not says so)."""
+         scale_a: Optional[torch.Tensor] = None, scale_b: Optional[torch.Tensor] = None,
+         out_shape: Optional[tuple] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(out, preact or None): out (batch, M, N) dense in out_dtype, or in out_shape (the same
+    elements in the same order), no view. a (batch, M, K) and b (batch, K, N) of compute's
+    dtype with any strides (batch stride 0 for a shared operand), bias (N,) and residual
+    (batch, M, N) of any float dtype and strides. The binding checks shapes and devices again
+    and raises with the argument and what came. scale_a / scale_b belong to compute "fp8",
+    which this kernel does not run (why_not says so)."""
     act = ACTIVATION_CODES.get(activation)
     out_code = OUT_DTYPE_CODES.get(out_dtype)
     if COMPUTE_DTYPES.get(compute) != a.dtype or act is None or out_code is None or scale_a is not None \
@@ -86,7 +87,11 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residua
         reason = why_not(a, b, compute) if COMPUTE_DTYPES.get(compute) != a.dtype else None
         raise ValueError(f"kernelforge.cuda.gemm: cannot run compute={compute!r} on a of {a.dtype}, "
                          f"activation={activation!r}, out_dtype={out_dtype}" + (f": {reason}" if reason else ""))
-    return _extension().forward(a, b, bias, residual, act, out_code, bool(save_preact), 8)
+    out, preact = _extension().forward(a, b, bias, residual, act, out_code, bool(save_preact), 8)
+    if out_shape is None:
+        return out, preact
+    reshaped = torch.ops.aten._unsafe_view.default  # no view: the binding's tensors are nobody else's
+    return reshaped(out, out_shape), None if preact is None else reshaped(preact, out_shape)
 
 
 # ----------------------------------------------------------------------------- raw API

@@ -5,7 +5,7 @@
                      fp8_fast_accum=False)
         = act(a @ b + bias) + residual
 
-Registered op (fake implementation and autograd attached):
+Registered op (kernelforge.ops._opdef.define_op: fake implementation and autograd attached):
     kernelforge::gemm(Tensor a, Tensor b, Tensor? bias, Tensor? residual, str activation,
                       str compute, ScalarType out_dtype, bool save_preact, Tensor? scale_a=None,
                       Tensor? scale_b=None, str fp8_scaling="row", bool fp8_fast_accum=False)
@@ -35,6 +35,16 @@ operand takes no gradient).
 
 Backends (registry "gemm": gemm): triton, cuda (fp16 / bf16 compute), reference. See
 kernelforge/reference/gemm.py for the launcher interface and what each compute mode means.
+
+Under torch.compile the GEMM stays one opaque custom op on the GPU: Inductor's code calls
+torch.ops.kernelforge.gemm, which runs the eager launcher. Its Triton backend is registered
+traceable=False because what it launches cannot enter a traced graph through
+torch.library.wrap_triton: the kernels are autotuned (triton.autotune, with a pruning rule and
+our own timing) and wrapped in triton.heuristics, the TMA kernel takes host-side TensorDescriptor
+objects whose block shapes the tuner's pre-hook sets per config, split-K shares a per-stream
+arrival-count buffer, and large products go to a Gluon kernel; Inductor takes plain @triton.jit
+kernels only. The CUDA extension is opaque anyway. The reference (torch ops) is traced: a CPU
+graph holds its matmul and epilogue, and the backward's GEMMs and activation steps, as torch ops.
 """
 from __future__ import annotations
 
@@ -47,8 +57,8 @@ import torch
 
 from kernelforge import backends
 from kernelforge.ops import activations as activation_ops
-from kernelforge.ops._common import (FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, plain_eager_call,
-                                     require)
+from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, require
+from kernelforge.ops._opdef import define_op
 from kernelforge.reference import gemm as reference
 from kernelforge.reference.activations import KINDS
 
@@ -56,8 +66,12 @@ OP = "gemm"
 PRECISIONS = ("auto", "fp32", "tf32", "fp16", "bf16", "fp8")
 ACTIVATIONS = (None,) + KINDS
 _TRITON_MODES = ("fp32", "tf32", "fp16", "bf16", "fp8")
+_COMPUTE_MODES = _TRITON_MODES + ("fp64",)
 _FP8 = reference.FP8
+_FP8_OPERAND_DTYPES = FLOAT_DTYPES + (_FP8,)
+_TRITON_OPERAND_DTYPES = GPU_FLOAT_DTYPES + (_FP8,)
 _FP8_MIN_CAPABILITY = (8, 9)  # e4m3 tensor cores: Ada (sm_89), Hopper (sm_90) and later
+
 
 @dataclass
 class _Policy:
@@ -94,9 +108,11 @@ def _why_not_triton(a: torch.Tensor, b: torch.Tensor, compute: str = "fp32"):
 
     if compute not in _TRITON_MODES:
         return f"the Triton GEMM computes in {', '.join(_TRITON_MODES)}, not {compute}"
-    for name, t in (("a", a), ("b", b)):
-        if t.dtype not in (GPU_FLOAT_DTYPES + (_FP8,)):
-            return f"the Triton GEMM takes float32/float16/bfloat16/float8_e4m3fn operands, got {name} of {t.dtype}"
+    if compute != "fp8":  # fp8 operands reach the launcher rounded to e4m3, whatever they came as
+        for name, t in (("a", a), ("b", b)):
+            if t.dtype not in _TRITON_OPERAND_DTYPES:
+                return (f"the Triton GEMM takes float32/float16/bfloat16/float8_e4m3fn operands, got {name} of "
+                        f"{t.dtype}")
     return why_unavailable(a.device)
 
 
@@ -117,10 +133,20 @@ def _preference(a: torch.Tensor, b: torch.Tensor, compute: str = "fp32"):
             "the reference is torch.matmul")
 
 
-backends.register(OP, "triton", "kernelforge.triton.gemm", _why_not_triton)
+# traceable=False: autotuned / heuristics-wrapped kernels, host TMA descriptors, Gluon (module docstring)
+backends.register(OP, "triton", "kernelforge.triton.gemm", _why_not_triton, traceable=False)
 backends.register(OP, "cuda", "kernelforge.cuda.matmul", _why_not_cuda)
 backends.register(OP, "reference", "kernelforge.reference.gemm", lambda *inputs, **options: None)
 backends.set_preference(OP, _preference, lambda a, b, compute="fp32": (a.device.type, a.dtype, b.dtype, compute))
+
+
+def _choose(a: torch.Tensor, b: torch.Tensor, compute: str) -> backends.Choice:
+    """The implementation that multiplies a and b (as given: fp8 operands are rounded to e4m3
+    after the choice, which _why_not_triton allows for); an empty product is the reference's
+    epilogue of zeros, on any backend."""
+    if a.numel() == 0 or b.numel() == 0:
+        return backends.Choice(backends.implementations(OP)["reference"], "an empty product is the epilogue of zeros")
+    return backends.select(OP, a, b, compute=compute)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -133,23 +159,23 @@ def _activation_name(activation: Optional[str]) -> str:
 def resolve_compute(a: torch.Tensor, b: torch.Tensor, precision: str) -> str:
     """The compute mode of a call: precision, or for "auto" the context's default, else the
     inputs' dtype (float32: tf32 when torch.backends.cuda.matmul.allow_tf32 and on a GPU)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"kernelforge.gemm: precision must be one of {PRECISIONS}, got {precision!r}")
-    if precision == "auto":
-        if _policy.mode is not None and (not _policy.float32_only or a.dtype == b.dtype == torch.float32):
-            precision = _policy.mode
     if precision != "auto":
+        if precision not in PRECISIONS:
+            raise ValueError(f"kernelforge.gemm: precision must be one of {PRECISIONS}, got {precision!r}")
         return precision
-    if a.dtype == _FP8 or b.dtype == _FP8:
+    dtype = a.dtype
+    if _policy.mode is not None and (not _policy.float32_only or dtype == b.dtype == torch.float32):
+        return _policy.mode
+    if dtype == _FP8 or b.dtype == _FP8:
         return "fp8"
-    if a.dtype != b.dtype:
+    if dtype != b.dtype:
         raise TypeError(f"kernelforge.gemm: with precision='auto' a and b must have the same dtype, got a: {a.dtype}, "
                         f"b: {b.dtype} (name a precision to cast both)")
-    if a.dtype == torch.float64:
+    if dtype == torch.float64:
         return "fp64"
-    if a.dtype == torch.float32:
+    if dtype == torch.float32:
         return "tf32" if a.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32 else "fp32"
-    return "fp16" if a.dtype == torch.float16 else "bf16"
+    return "fp16" if dtype == torch.float16 else "bf16"
 
 
 def _broadcast(x: Sequence[int], y: Sequence[int]) -> Optional[tuple[int, ...]]:
@@ -197,38 +223,51 @@ def _check_fp8(a, b, scale_a, scale_b, fp8_scaling: str, N: int) -> None:
 
 def _check(a, b, bias, residual, activation: str, compute: str, scale_a=None, scale_b=None, fp8_scaling: str = "row"
            ) -> tuple[tuple[int, ...], int, int, int]:
-    """(batch shape, M, N, K) of valid inputs, else a message naming the argument."""
-    for name, t in (("a", a), ("b", b)):
-        check_floating("gemm", name, t, FLOAT_DTYPES + ((_FP8,) if compute == "fp8" else ()))
-        if t.dim() < 2:
+    """(batch shape, M, N, K) of valid inputs, else a message naming the argument. The common
+    cases (two matrices, a batch against one matrix, a residual of the output's shape) skip the
+    general broadcasting: this runs on every call."""
+    operand_dtypes = _FP8_OPERAND_DTYPES if compute == "fp8" else FLOAT_DTYPES
+    check_floating("gemm", "a", a, operand_dtypes)
+    check_floating("gemm", "b", b, operand_dtypes)
+    a_dims, b_dims = a.dim(), b.dim()
+    for name, t, dims in (("a", a, a_dims), ("b", b, b_dims)):
+        if dims < 2:
             raise ValueError(f"kernelforge.gemm: {name} must have at least 2 dims (..., rows, cols), "
                              f"got shape {tuple(t.shape)}")
-    check_same("gemm", "device", ("a", "b"), (a.device, b.device))
+    device = a.device
+    check_same("gemm", "device", ("a", "b"), (device, b.device))
     if activation != "none" and activation not in KINDS:
         raise ValueError(f"kernelforge.gemm: activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if compute not in _TRITON_MODES + ("fp64",):
+    if compute not in _COMPUTE_MODES:
         raise ValueError(f"kernelforge.gemm: unknown compute mode {compute!r}")
     if compute == "fp64" and (a.dtype != torch.float64 or b.dtype != torch.float64):
         raise TypeError(f"kernelforge.gemm: fp64 compute takes float64 a and b, got {a.dtype} and {b.dtype}")
-    M, K = a.shape[-2], a.shape[-1]
-    N = b.shape[-1]
-    require(b.shape[-2] == K, lambda: f"kernelforge.gemm: a's last dim ({K}) must equal b's second-to-last "
+    a_shape, b_shape = a.shape, b.shape
+    M, K = a_shape[-2], a_shape[-1]
+    N = b_shape[-1]
+    require(b_shape[-2] == K, lambda: f"kernelforge.gemm: a's last dim ({K}) must equal b's second-to-last "
                                       f"(got a {tuple(a.shape)}, b {tuple(b.shape)})")
-    batch = _broadcast(a.shape[:-2], b.shape[:-2])
-    if batch is None:
-        raise ValueError(f"kernelforge.gemm: the batch dims of a {tuple(a.shape[:-2])} and b {tuple(b.shape[:-2])} "
-                         "do not broadcast")
+    if b_dims == 2:
+        batch = tuple(a_shape[:-2])
+    elif a_dims == 2:
+        batch = tuple(b_shape[:-2])
+    else:
+        batch = _broadcast(a_shape[:-2], b_shape[:-2])
+        if batch is None:
+            raise ValueError(f"kernelforge.gemm: the batch dims of a {tuple(a.shape[:-2])} and b "
+                             f"{tuple(b.shape[:-2])} do not broadcast")
     if bias is not None:
         check_floating("gemm", "bias", bias, FLOAT_DTYPES)
-        check_same("gemm", "device", ("a", "bias"), (a.device, bias.device))
+        check_same("gemm", "device", ("a", "bias"), (device, bias.device))
         require(bias.dim() == 1 and bias.shape[0] == N,
                 lambda: f"kernelforge.gemm: bias must have shape ({N},) (b's last dim), got {tuple(bias.shape)}")
     if residual is not None:
         check_floating("gemm", "residual", residual, FLOAT_DTYPES)
-        check_same("gemm", "device", ("a", "residual"), (a.device, residual.device))
-        if _broadcast(residual.shape, (*batch, M, N)) != (*batch, M, N):
+        check_same("gemm", "device", ("a", "residual"), (device, residual.device))
+        shape = (*batch, M, N)
+        if residual.shape != shape and _broadcast(residual.shape, shape) != shape:
             raise ValueError(f"kernelforge.gemm: residual of shape {tuple(residual.shape)} does not broadcast to the "
-                             f"output's {(*batch, M, N)}")
+                             f"output's {shape}")
     if compute == "fp8":
         _check_fp8(a, b, scale_a, scale_b, fp8_scaling, N)
     elif scale_a is not None or scale_b is not None:
@@ -241,12 +280,14 @@ def _batched(a, b, residual, batch, M, N, K):
     """(a3, b3, residual3, folded): (B, M', K), (B, K, N), (B, M', N) views for the launcher.
     A b with no batch dims takes a's batch into the rows (one GEMM of batch*M rows, folded)
     when a and the residual allow it without a copy."""
-    if b.dim() == 2 and a.dim() > 2:
+    if not batch:  # two matrices: one view op each
+        return a.unsqueeze(0), b.unsqueeze(0), None if residual is None else residual.expand(M, N).unsqueeze(0), False
+    if b.dim() == 2:
         try:
             a_rows = a.view(1, -1, K)
             res_rows = None if residual is None else residual.expand(*batch, M, N).view(1, -1, N)
             return a_rows, b.unsqueeze(0), res_rows, True
-        except RuntimeError:  # not foldable without a copy: stay batched
+        except (RuntimeError, ValueError):  # not foldable without a copy (ValueError: traced): stay batched
             pass
     count = math.prod(batch)
     a3 = a.expand(*batch, M, K).reshape(count, M, K)
@@ -277,26 +318,22 @@ def _batched_scales(scale_a, scale_b, a_shape, batch, M, N, folded: bool):
 
 def _gemm(a, b, bias, residual, activation: str, compute: str, out_dtype: torch.dtype, save_preact: bool,
           scale_a=None, scale_b=None, fp8_scaling: str = "row", fp8_fast_accum: bool = False):
+    """What kernelforge::gemm computes (the eager call runs it directly, the registered op
+    through torch.ops, torch.compile traces it on the reference)."""
     batch, M, N, K = _check(a, b, bias, residual, activation, compute, scale_a, scale_b, fp8_scaling)
-    shape = (*batch, M, N)
-    act = None if activation == "none" else activation
-    scales = {}
+    launchers = _choose(a, b, compute).implementation.launchers()
+    fp8 = {}
     if compute == "fp8":
         a, scale_a, b, scale_b = _fp8_operands(a, b, scale_a, scale_b, fp8_scaling)
-    if a.numel() == 0 or b.numel() == 0:  # nothing to multiply: the epilogue of zeros (or nothing)
-        from kernelforge.reference import gemm as launchers
-    else:
-        launchers = backends.select(OP, a, b, compute=compute).implementation.launchers()
     a3, b3, res3, folded = _batched(a, b, residual, batch, M, N, K)
     if compute == "fp8":
         sa3, sb3 = _batched_scales(scale_a, scale_b, a.shape, batch, M, N, folded)
-        scales = dict(scale_a=sa3, scale_b=sb3, fast_accum=fp8_fast_accum)
-    out, preact = launchers.gemm(a3, b3, bias, res3, act, compute, out_dtype, save_preact, **scales)
-    # _unsafe_view, not view: autograd would take a view returned from the autograd.Function as
-    # "a view created inside a custom Function" and refuse in-place ops on it (y = linear(x);
-    # y.relu_()), which torch.nn.Linear's output allows. The launcher's tensor is nobody else's.
-    preact = torch.ops.aten._unsafe_view(preact, shape) if save_preact else out.new_empty(0)
-    return torch.ops.aten._unsafe_view(out, shape), preact
+        fp8 = dict(scale_a=sa3, scale_b=sb3, fast_accum=fp8_fast_accum)
+    # out_shape: the launcher allocates the output in its final shape (a reshape here would cost
+    # an op a call, and a view would have to be made a non-view again for autograd)
+    out, preact = launchers.gemm(a3, b3, bias, res3, None if activation == "none" else activation, compute,
+                                 out_dtype, save_preact, out_shape=(*batch, M, N), **fp8)
+    return out, preact if save_preact else out.new_empty(0)
 
 
 def _fake(a, b, bias, residual, activation, compute, out_dtype, save_preact, scale_a=None, scale_b=None,
@@ -306,31 +343,24 @@ def _fake(a, b, bias, residual, activation, compute, out_dtype, save_preact, sca
     return out, (torch.empty_like(out) if save_preact else a.new_empty(0, dtype=out_dtype))
 
 
+def _choose_for(a, b, bias, residual, activation, compute, *rest, **options) -> backends.Choice:
+    return _choose(a, b, compute)
+
+
 # ----------------------------------------------------------------------------- backward
 def _sum_to(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return t if t.shape == shape else t.sum_to_size(shape)
 
 
-def _direct(*tensors: torch.Tensor) -> bool:
-    """A backward GEMM or activation step may call the implementation itself (not the
-    registered op, ~100 us of dispatch and autograd glue a call on the host): plain eager,
-    and not differentiated again (create_graph=True needs the ops' own autograd)."""
-    return not torch.is_grad_enabled() and plain_eager_call(*tensors)
-
-
 def _matmul(x, w, compute: str, out_dtype: torch.dtype) -> torch.Tensor:
-    if _direct(x, w):
-        return _gemm(x, w, None, None, "none", compute, out_dtype, False)[0]
-    return torch.ops.kernelforge.gemm(x, w, None, None, "none", compute, out_dtype, False)[0]
+    return gemm_op(x, w, None, None, "none", compute, out_dtype, False, None, None, "row", False)[0]
 
 
 def _activation_grad(grad_out, preact, bias, activation: str, need_bias: bool):
     """(dz = grad_out * act'(preact + bias), the bias gradient or None)."""
-    if _direct(grad_out, preact):
-        return activation_ops._activation_backward(grad_out, preact, bias, activation, need_bias)
     if need_bias:
-        return torch.ops.kernelforge.bias_activation_backward(grad_out, preact, bias, activation)
-    return torch.ops.kernelforge.activation_backward(grad_out, preact, bias, activation), None
+        return activation_ops.bias_activation_backward_op(grad_out, preact, bias, activation)
+    return activation_ops.activation_backward_op(grad_out, preact, bias, activation), None
 
 
 def _weight_grad(a, dz, b, compute, dtype):
@@ -341,11 +371,11 @@ def _weight_grad(a, dz, b, compute, dtype):
     gradient, on every step."""
     if b.dim() == 2:
         K, N = a.shape[-1], dz.shape[-1]
-        a_rows = a.expand(*dz.shape[:-1], K).reshape(-1, K)
+        a_rows = a.reshape(-1, K)  # a's batch is dz's: b has none
         dz_rows = dz.reshape(-1, N)
         if b.stride(0) == 1 and b.stride(1) != 1 and K > 1:  # b = W.t(): compute W's gradient (N, K)
-            return _matmul(dz_rows.transpose(0, 1), a_rows, compute, dtype).transpose(0, 1)
-        return _matmul(a_rows.transpose(0, 1), dz_rows, compute, dtype)
+            return _matmul(dz_rows.t(), a_rows, compute, dtype).t()
+        return _matmul(a_rows.t(), dz_rows, compute, dtype)
     return _sum_to(_matmul(a.transpose(-1, -2), dz, compute, dtype), b.shape)
 
 
@@ -386,57 +416,27 @@ def _real_valued(x: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor
     return (x.float() * (1.0 if scale is None else scale.float())).to(torch.bfloat16)
 
 
-def _save(ctx, a, b, bias, residual, activation, compute, preact, scale_a=None, scale_b=None):
-    if compute == "fp8":
-        a, b = _real_valued(a, scale_a), _real_valued(b, scale_b)
-    ctx.save_for_backward(a, b, bias, preact if activation != "none" else None)
-    ctx.options = (activation, compute, None if residual is None else (residual.shape, residual.dtype))
-
-
-# ----------------------------------------------------------------------------- registration
-@torch.library.custom_op("kernelforge::gemm", mutates_args=())
-def gemm_op(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
-            activation: str, compute: str, out_dtype: torch.dtype, save_preact: bool,
-            scale_a: Optional[torch.Tensor] = None, scale_b: Optional[torch.Tensor] = None, fp8_scaling: str = "row",
-            fp8_fast_accum: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    return _gemm(a, b, bias, residual, activation, compute, out_dtype, save_preact, scale_a, scale_b, fp8_scaling,
-                 fp8_fast_accum)
-
-
-gemm_op.register_fake(_fake)
-
-
 def _setup_context(ctx, inputs, output):
     a, b, bias, residual, activation, compute = inputs[:6]
-    scale_a, scale_b = (tuple(inputs[8:10]) + (None, None))[:2]
-    _save(ctx, a, b, bias, residual, activation, compute, output[1], scale_a, scale_b)
+    if compute == "fp8":
+        scale_a, scale_b = (tuple(inputs[8:10]) + (None, None))[:2]
+        a, b = _real_valued(a, scale_a), _real_valued(b, scale_b)
+    ctx.save_for_backward(a, b, bias, output[1] if activation != "none" else None)
+    ctx.options = (activation, compute, None if residual is None else (residual.shape, residual.dtype))
     ctx.mark_non_differentiable(output[1])
 
 
-def _gemm_grad(ctx, grad_out, _grad_preact):
+def _gradient(ctx, grad_out, _grad_preact):
     grads = _gemm_backward(ctx.saved_tensors, ctx.options, ctx.needs_input_grad[:4], grad_out)
     return (*grads, None, None, None, None, None, None, None, None)
 
 
-gemm_op.register_autograd(_gemm_grad, setup_context=_setup_context)
-
-
-class _EagerGemm(torch.autograd.Function):
-    """The eager fast path (kernelforge.ops._common.plain_eager_call): the same implementation
-    and backward without the dispatcher's custom-op glue."""
-
-    @staticmethod
-    def forward(ctx, a, b, bias, residual, activation, compute, out_dtype, scale_a, scale_b, fp8_scaling,
-                fp8_fast_accum):
-        out, preact = _gemm(a, b, bias, residual, activation, compute, out_dtype, activation != "none", scale_a,
-                            scale_b, fp8_scaling, fp8_fast_accum)
-        _save(ctx, a, b, bias, residual, activation, compute, preact, scale_a, scale_b)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        grads = _gemm_backward(ctx.saved_tensors, ctx.options, ctx.needs_input_grad[:4], grad_out)
-        return (*grads, None, None, None, None, None, None, None)
+# ----------------------------------------------------------------------------- definition
+gemm_op = define_op(
+    "kernelforge::gemm(Tensor a, Tensor b, Tensor? bias, Tensor? residual, str activation, str compute, "
+    "ScalarType out_dtype, bool save_preact, Tensor? scale_a=None, Tensor? scale_b=None, str fp8_scaling=\"row\", "
+    "bool fp8_fast_accum=False) -> (Tensor, Tensor)",
+    impl=_gemm, fake=_fake, choose=_choose_for, setup_context=_setup_context, backward=_gradient)
 
 
 # ----------------------------------------------------------------------------- public function
@@ -466,21 +466,24 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: Optional[torch.Tensor] = Non
     Differentiable in a, b, bias and residual (fp8: straight-through, backward in bf16)."""
     act = _activation_name(activation)
     compute = resolve_compute(a, b, precision)
+    a_dtype, b_dtype = a.dtype, b.dtype
+    fp8_operand = a_dtype == _FP8 or b_dtype == _FP8
     if out_dtype is None:
-        out_dtype = torch.bfloat16 if _FP8 in (a.dtype, b.dtype) else torch.promote_types(a.dtype, b.dtype)
+        out_dtype = (torch.bfloat16 if fp8_operand else a_dtype if a_dtype == b_dtype
+                     else torch.promote_types(a_dtype, b_dtype))
     if out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"kernelforge.gemm: out_dtype must be a float dtype, got {out_dtype}")
-    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, b, bias, residual))
-    for name, t in (("a", a), ("b", b)):
-        if grads and t.dtype == _FP8 and t.requires_grad:
-            raise TypeError(f"kernelforge.gemm: {name} is float8_e4m3fn and requires grad; a float8 operand takes no "
-                            "gradient (pass it in bf16 / float32 with precision='fp8' to train through the rounding)")
-    fp8 = (scale_a, scale_b, fp8_scaling, fp8_fast_accum)
-    if not plain_eager_call(a, b, bias, residual, scale_a, scale_b):
-        return gemm_op(a, b, bias, residual, act, compute, out_dtype, grads and act != "none", *fp8)[0]
-    if grads:
-        return _EagerGemm.apply(a, b, bias, residual, act, compute, out_dtype, *fp8)
-    return _gemm(a, b, bias, residual, act, compute, out_dtype, False, *fp8)[0]
+    save_preact = False
+    if (act != "none" or fp8_operand) and torch.is_grad_enabled():
+        grads = any(t is not None and t.requires_grad for t in (a, b, bias, residual))
+        for name, t in (("a", a), ("b", b)):
+            if grads and t.dtype == _FP8 and t.requires_grad:
+                raise TypeError(f"kernelforge.gemm: {name} is float8_e4m3fn and requires grad; a float8 operand "
+                                "takes no gradient (pass it in bf16 / float32 with precision='fp8' to train through "
+                                "the rounding)")
+        save_preact = grads and act != "none"
+    return gemm_op(a, b, bias, residual, act, compute, out_dtype, save_preact, scale_a, scale_b, fp8_scaling,
+                   fp8_fast_accum)[0]
 
 
 __all__ = ["gemm", "precision"]

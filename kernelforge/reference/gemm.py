@@ -32,6 +32,8 @@ import torch
 
 from kernelforge.reference.activations import activation_value
 
+_unsafe_view = torch.ops.aten._unsafe_view.default
+
 COMPUTE_MODES = ("fp32", "tf32", "fp16", "bf16", "fp64", "fp8")
 _OPERAND_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
                    "fp64": torch.float64, "fp8": torch.float8_e4m3fn}
@@ -93,14 +95,20 @@ def epilogue(acc: torch.Tensor, bias: Optional[torch.Tensor], activation: Option
 # The interface every backend of the gemm op implements.
 def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
          activation: Optional[str], compute: str, out_dtype: torch.dtype, save_preact: bool,
-         scale_a: Optional[torch.Tensor] = None, scale_b: Optional[torch.Tensor] = None, fast_accum: bool = False
-         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(out, preact or None): out (batch, M, N) dense in out_dtype. For compute "fp8" only:
-    a and b are e4m3, scale_a (batch, M) and scale_b (batch, N) float32 (strides may be 0);
-    fast_accum allows a less precise accumulation (here: none is less precise than float32)."""
+         scale_a: Optional[torch.Tensor] = None, scale_b: Optional[torch.Tensor] = None, fast_accum: bool = False,
+         out_shape: Optional[tuple] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(out, preact or None): out (batch, M, N) dense in out_dtype, or dense in out_shape (the
+    same elements in the same order: the op's (*batch, M, N)), a tensor that is no view. For
+    compute "fp8" only: a and b are e4m3, scale_a (batch, M) and scale_b (batch, N) float32
+    (strides may be 0); fast_accum allows a less precise accumulation (here: none is less
+    precise than float32)."""
     x, w = operands(a, b, compute)
     acc = torch.matmul(x, w)
     if compute == "fp8":
         acc = acc * scale_a[:, :, None] * scale_b[:, None, :]
     out = epilogue(acc, bias, activation, residual).to(out_dtype).contiguous()
-    return out, acc.to(out_dtype).contiguous() if save_preact else None
+    preact = acc.to(out_dtype).contiguous() if save_preact else None
+    if out_shape is None:
+        return out, preact
+    # _unsafe_view: the result is no view (autograd lets in-place ops on it through), and nobody else's
+    return _unsafe_view(out, out_shape), None if preact is None else _unsafe_view(preact, out_shape)

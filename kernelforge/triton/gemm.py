@@ -17,6 +17,17 @@ Tiles (and split-K's slice count) are autotuned on the GPU, once per (M rounded 
 of two, N, K, operand layout, dtypes, epilogue) in a process, timed by _tuning_bench: a first
 call at a new shape costs the compiles and timings of the candidates (seconds), later calls
 none. Under TRITON_INTERPRET=1 one small tile runs, so the CPU suite stays fast.
+
+Host time: everything a launch needs but the tensors is a function of the call's signature
+(shapes, strides, dtypes, device, 16-byte alignment, epilogue, the USE_* overrides), so it is
+worked out once per signature (_Plan: which kernel, the copies of the operands it needs, its
+integer arguments and constexprs) and, once the autotuner has chosen, the config's grid and
+keywords, and TMA descriptor templates of the chosen blocks (checked once, rebased on each
+call's tensors: `rebased`). A later call at the signature allocates the output, binds its
+tensors and launches the chosen config through kernelforge.triton._launch.launch: no tuner,
+heuristics, rule or descriptor check runs again (before, the launcher's Python around the launch
+took 17 of the 63 us of host time a 16x4096x4096 bf16 call cost on the H200 host:
+benchmarks/results/nvidia-h200/host/host-timeline-4637225.log).
 """
 from __future__ import annotations
 
@@ -32,6 +43,10 @@ from kernelforge.triton import interpreter_enabled
 from kernelforge.triton._launch import (cdiv, device_capability, gluon_module, launch, next_power_of_2, on_device,
                                         sm_count)
 from kernelforge.triton.gemm_kernels import gemm_kernel, gemm_tma_kernel, round_tf32_kernel
+from kernelforge.triton.tma_descriptors import descriptor_template, rebased
+
+# The kernels above were made interpreted or compiled when they were defined: read once, not per call
+_INTERPRETER = interpreter_enabled()
 
 USE_TMA: Optional[bool] = None
 USE_GLUON: Optional[bool] = None  # the Gluon kernel for one matrix: None its rule, False never, True any size
@@ -168,67 +183,32 @@ def _even_k(args):
 
 @functools.lru_cache(maxsize=None)
 def _pointer_kernels(operand_bits: int):
-    """(the autotuned pointer kernel, or None under the interpreter; the kernel at a given
-    config). One tuner per operand width."""
-    plain = triton.heuristics({"EVEN_K": _even_k})(gemm_kernel)
-    if interpreter_enabled():
-        return None, plain
+    """The autotuned pointer kernel (None under the interpreter), one tuner per operand width.
+    Its heuristics wrapper gives EVEN_K on the tuning calls; later launches pass EVEN_K
+    themselves (_PointerLaunch)."""
+    if _INTERPRETER:
+        return None
     configs = {8: CONFIGS_FP8, 16: CONFIGS_16BIT, 32: CONFIGS_32BIT}[operand_bits]
     return triton.autotune(configs=configs, key=AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune},
-                           do_bench=_tuning_bench)(plain), plain
+                           do_bench=_tuning_bench)(triton.heuristics({"EVEN_K": _even_k})(gemm_kernel))
 
 
 @functools.lru_cache(maxsize=None)
 def _tma_kernels(operand_bits: int):
-    if interpreter_enabled():
-        return None, gemm_tma_kernel
+    """The autotuned TMA kernel (None under the interpreter), one tuner per operand width."""
+    if _INTERPRETER:
+        return None
     configs = [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=_tma_block_shapes)
                for c in {8: CONFIGS_FP8, 16: CONFIGS_TMA, 32: CONFIGS_TMA_32}[operand_bits]]
     return triton.autotune(configs=configs, key=TMA_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune_tma},
-                           do_bench=_tuning_bench)(gemm_tma_kernel), gemm_tma_kernel
+                           do_bench=_tuning_bench)(gemm_tma_kernel)
 
 
-# Per call signature: the autotuner's pick as (config kwargs, the kernel to launch, every
-# keyword argument of its launch). Triton's Autotuner rebuilds a dict of all ~30 arguments and
-# its cache key on every call (25 us a call under cProfile); after the first call at a
-# signature, the kernel launches at the chosen config directly, through
-# kernelforge.triton._launch.launch (Triton's own launch path cost 27 us of a 76 us kf.gemm
-# call at 16x4096x4096 on the H200 host: benchmarks/host_timeline.py).
-_CHOSEN: dict = {}
-
-
-def _launch(kernels, signature, grid, args, kwargs, set_block_shapes=None, heuristics=None, interpreter_config=None):
-    """Launch a (tuner, plain) pair at the config tuned for `signature` (every argument the
-    tuner's key and its dtype list hold, and more), tuning on its first call; later calls
-    launch the kernel itself at that config through kernelforge.triton._launch.launch, with
-    `heuristics(config kwargs)` giving the constexprs a triton.heuristics wrapper would.
-    Under the interpreter: the one small config (and `interpreter_config`, the tuned
-    constexprs it lacks)."""
-    tuner, plain = kernels
-    if tuner is None:
-        config = {**INTERPRETER_CONFIG, **(interpreter_config or {})}
-        if set_block_shapes is not None:
-            set_block_shapes(config)
-        plain[grid](*args, **kwargs, **config)
-        return
-    chosen = _CHOSEN.get(signature)
-    if chosen is None:
-        tuner[grid](*args, **kwargs)
-        config = tuner.best_config
-        extra = heuristics(config.kwargs) if heuristics is not None else {}
-        _CHOSEN[signature] = (config.kwargs, plain.fn if heuristics is not None else plain,
-                              {**kwargs, **extra, **config.all_kwargs()})
-        return
-    config_kwargs, kernel, launch_kwargs = chosen
-    if set_block_shapes is not None:
-        set_block_shapes(config_kwargs)
-    launch(kernel, grid(config_kwargs), *args, **launch_kwargs)
-
-
-def _tma_descriptor(t: torch.Tensor, unit_dim: int) -> Optional[TensorDescriptor]:
-    """A TMA descriptor of t (2-D) with its unit-stride dim last, or None when TMA cannot read
-    it that way (that stride is not 1, rows are not a multiple of 16 bytes apart, the start
-    is not 16-byte aligned, an extent is 0). Its block shape is set per config later."""
+# ----------------------------------------------------------------------------- TMA descriptors
+def _tma_layout(t: torch.Tensor, unit_dim: int) -> Optional[tuple]:
+    """(shape, strides) of a TMA descriptor of t (2-D) with its unit-stride dim last, or None
+    when TMA cannot read it that way (that stride is not 1, rows are not a multiple of 16 bytes
+    apart, the start is not 16-byte aligned, an extent is 0)."""
     view = t if unit_dim == 1 else t.t()
     rows, cols = view.shape
     if rows == 0 or cols == 0 or view.data_ptr() % 16:
@@ -239,13 +219,13 @@ def _tma_descriptor(t: torch.Tensor, unit_dim: int) -> Optional[TensorDescriptor
     row_stride = view.stride(0) if rows > 1 else -(-cols // 8) * 8
     if row_stride * view.element_size() % 16:
         return None
-    return TensorDescriptor(view, [rows, cols], [row_stride, 1], [16, 16])
+    return (rows, cols), (row_stride, 1)
 
 
-def _tma_operands(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, compute: str):
-    """Descriptors of a, b and out and the operands' memory orders for gemm_tma_kernel, or
-    None when it cannot take them: a batch, operands not 16-bit in the compute dtype, or a
-    layout TMA cannot read."""
+def _tma_layouts(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, compute: str):
+    """(layouts of a, b and out, the operands' memory orders) for gemm_tma_kernel, or None when
+    it cannot take them: a batch, operands not in the compute dtype, or a layout TMA cannot
+    read."""
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": _FP8, "tf32": torch.float32}.get(compute)
     if a.shape[0] != 1 or b.shape[0] != 1 or not a.dtype == b.dtype == dtype:
         return None
@@ -255,23 +235,34 @@ def _tma_operands(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, compute: 
         # tensor-core instruction reads
         unit_dims = ((1,) if name == "a" else (0,)) if compute in ("fp8", "tf32") else (1, 0)
         for unit_dim in unit_dims:
-            desc = _tma_descriptor(t, unit_dim)
-            if desc is not None:
-                found[name], found[natural] = desc, unit_dim == 1
+            layout = _tma_layout(t, unit_dim)
+            if layout is not None:
+                found[name], found[natural] = layout, unit_dim == 1
                 break
         else:
             return None
-    out_desc = _tma_descriptor(out[0], 1)
-    if out_desc is None:
+    out_layout = _tma_layout(out[0], 1)
+    if out_layout is None:
         return None
-    return (found["a"], found["b"], out_desc), {k: found[k] for k in ("A_K_CONTIGUOUS", "B_N_CONTIGUOUS")}
+    return (found["a"], found["b"], out_layout), {k: found[k] for k in ("A_K_CONTIGUOUS", "B_N_CONTIGUOUS")}
 
 
+def _tma_operands(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, compute: str):
+    """(descriptors of a, b and out, whose block shapes a config sets, and the operands' memory
+    orders) for gemm_tma_kernel, or None (_tma_layouts); benchmarks/gemm_sweep.py launches it so."""
+    found = _tma_layouts(a, b, out, compute)
+    if found is None:
+        return None
+    layouts, orders = found
+    return tuple(TensorDescriptor(t, *layout, [16, 16]) for t, layout in zip((a, b, out), layouts)), orders
+
+
+# ----------------------------------------------------------------------------- routes
 def _take_gluon(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: Optional[torch.Tensor],
                 residual: Optional[torch.Tensor], fast_accum: bool) -> bool:
     """One matrix on Hopper: the warp-specialized Gluon kernel (gemm_gluon.py) where it takes
     it (USE_GLUON True: whatever its size)."""
-    if USE_GLUON is False or interpreter_enabled() or a.device.type != "cuda":
+    if USE_GLUON is False or _INTERPRETER or a.device.type != "cuda":
         return False
     gluon = gluon_module("gemm_gluon")
     return gluon is not None and gluon.takes(a, b, out, device_capability(a.device), sm_count(a.device),
@@ -282,7 +273,7 @@ def _take_gluon(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: Optio
 def _take_tma(a: torch.Tensor, compute: str) -> bool:
     if USE_TMA is not None:
         return USE_TMA
-    if interpreter_enabled() or a.device.type != "cuda" or device_capability(a.device)[0] < 9:
+    if _INTERPRETER or a.device.type != "cuda" or device_capability(a.device)[0] < 9:
         return False
     # e4m3 tiles are 64 rows or more either way; at 16 rows the pointer kernel gives 0.67-0.85x
     # torch._scaled_mm, the TMA kernel 1.01-1.46x (H200, gemm/97faeaf-split-k/experiment/)
@@ -330,86 +321,197 @@ def _tf32_copy(t: torch.Tensor, k_dim: int) -> torch.Tensor:
     return y.unsqueeze(0)
 
 
-def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
-         activation: Optional[str], compute: str, out_dtype: torch.dtype, save_preact: bool,
-         scale_a: Optional[torch.Tensor] = None, scale_b: Optional[torch.Tensor] = None, fast_accum: bool = False
-         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+class _PointerLaunch:
+    """gemm_kernel at one call signature: integer arguments, constexprs, and once the autotuner
+    has chosen (here or at another plan of the same tuner signature) the config's grid and keywords."""
+
+    def __init__(self, a, b, out, residual, preact, compute, epilogue, sms, dtypes, scale_strides):
+        batch, M, K = a.shape
+        N = b.shape[2]
+        self.tuner = _pointer_kernels(_OPERAND_BITS[compute])
+        self.ints = (M, N, K, *a.stride(), *b.stride(), *out.stride(), *_strides(residual, out),
+                     *_strides(preact, out), *scale_strides, batch, next_power_of_2(M))
+        self.kwargs = dict(COMPUTE=compute, PRECISION=_PRECISION[compute], **epilogue)
+        self.signature = ("pointers", next_power_of_2(M), N, K, a.stride(2), b.stride(2), compute, *dtypes,
+                          *epilogue.values())
+        self.work = (batch, M, N, sms)
+        chosen = _CHOSEN.get(self.signature)
+        if self.tuner is None:  # the interpreter: one small tile
+            chosen = (INTERPRETER_CONFIG, gemm_kernel,
+                      {**self.kwargs, "EVEN_K": K % INTERPRETER_CONFIG["BLOCK_K"] == 0, **INTERPRETER_CONFIG})
+        self.chosen = None if chosen is None else (chosen[1], self._grid(chosen[0]), chosen[2])
+
+    def _grid(self, meta):
+        batch, M, N, sms = self.work
+        return (max(1, min(sms, batch * cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]))),)
+
+    def __call__(self, a, b, out, bias, residual, preact, scale_a, scale_b):
+        tensors = (a, b, out, out if bias is None else bias, out if residual is None else residual,
+                   out if preact is None else preact, out if scale_a is None else scale_a,
+                   out if scale_b is None else scale_b)
+        chosen = self.chosen
+        if chosen is not None:
+            kernel, grid, launch_kwargs = chosen
+            launch(kernel, grid, *tensors, *self.ints, **launch_kwargs)
+            return
+        self.tuner[self._grid](*tensors, *self.ints, **self.kwargs)
+        config = self.tuner.best_config
+        launch_kwargs = {**self.kwargs, "EVEN_K": self.ints[2] % config.kwargs["BLOCK_K"] == 0, **config.all_kwargs()}
+        _CHOSEN[self.signature] = (config.kwargs, gemm_kernel, launch_kwargs)
+        self.chosen = (gemm_kernel, self._grid(config.kwargs), launch_kwargs)
+
+
+class _TmaLaunch:
+    """gemm_tma_kernel at one call signature: descriptor layouts, integer arguments, constexprs, and
+    once the autotuner has chosen the config's grid, keywords, descriptor templates and slice count."""
+
+    def __init__(self, a, b, out, layouts, orders, residual, preact, compute, epilogue, sms, dtypes, scale_strides):
+        M, K, N = a.shape[1], a.shape[2], b.shape[2]
+        choices = _split_choices(M, N, K, sms)
+        self.tuner = _tma_kernels(_OPERAND_BITS[compute])
+        self.layouts, self.orders, self.choices = layouts, orders, choices
+        self.ints = (M, N, K, *_strides(residual, out)[1:], *_strides(preact, out)[1:], scale_strides[1],
+                     scale_strides[3], M * N, next_power_of_2(M), _split_mask(choices), sms)
+        self.kwargs = dict(COMPUTE=compute, PRECISION=_PRECISION[compute], **orders, **epilogue)
+        self.signature = ("tma", next_power_of_2(M), N, K, compute, choices, *orders.values(), *dtypes,
+                          *epilogue.values())
+        self.work = (M, N, sms, out.device)
+        chosen = _CHOSEN.get(self.signature)
+        if self.tuner is None:  # the interpreter: one small tile, at the last slice count allowed
+            config = {**INTERPRETER_CONFIG, "SPLIT_K": choices[-1]}
+            chosen = (config, gemm_tma_kernel, {**self.kwargs, **config})
+        self.chosen = None if chosen is None else self._ready((a, b, out), *chosen)
+
+    def _ready(self, bases, config, kernel, launch_kwargs):
+        """(kernel, grid, keywords, descriptor templates, slice count) of a chosen config."""
+        bm, bn, bk, split = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"], config["SPLIT_K"]
+        blocks = ([bm, bk] if self.orders["A_K_CONTIGUOUS"] else [bk, bm],
+                  [bk, bn] if self.orders["B_N_CONTIGUOUS"] else [bn, bk], [bm, bn])
+        templates = tuple(descriptor_template(TensorDescriptor(base, *layout, block))
+                          for base, layout, block in zip(bases, self.layouts, blocks))
+        return kernel, self._grid(config), launch_kwargs, templates, split
+
+    def _grid(self, meta):  # at most `sms` programs, each walking the work units `sms` apart
+        M, N, sms, _ = self.work
+        return (max(1, min(sms, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]) * meta["SPLIT_K"])),)
+
+    def __call__(self, a, b, out, bias, residual, preact, scale_a, scale_b):
+        chosen = self.chosen
+        # the partials and arrival counts of split-K, for the largest split the call may take
+        split = max(self.choices) if chosen is None else chosen[4]
+        partials = arrivals = out  # not read unsplit
+        if split > 1:
+            M, N, _, device = self.work
+            partials = torch.empty((split, M, N), device=device, dtype=torch.float32)
+            arrivals = _arrival_counts(device, cdiv(M, 32) * cdiv(N, 32))  # every tile is 32 x 32 or larger
+        tail = (out if bias is None else bias, out if residual is None else residual,
+                out if preact is None else preact, out if scale_a is None else scale_a,
+                out if scale_b is None else scale_b, partials, arrivals, *self.ints)
+        if chosen is not None:
+            kernel, grid, launch_kwargs, (a_desc, b_desc, c_desc), _ = chosen
+            launch(kernel, grid, rebased(a_desc, a), rebased(b_desc, b), rebased(c_desc, out), *tail, **launch_kwargs)
+            return
+        # the tuner's pre-hook sets each config's block shapes on these
+        descriptors = (TensorDescriptor(base, *layout, [16, 16]) for base, layout in zip((a, b, out), self.layouts))
+        self.tuner[self._grid](*descriptors, *tail, **self.kwargs)
+        config = self.tuner.best_config
+        launch_kwargs = {**self.kwargs, **config.all_kwargs()}
+        _CHOSEN[self.signature] = (config.kwargs, gemm_tma_kernel, launch_kwargs)
+        self.chosen = self._ready((a, b, out), config.kwargs, gemm_tma_kernel, launch_kwargs)
+
+
+def _route(a, b, out, bias, residual, preact, scale_a, scale_b, activation, compute, fast_accum):
+    """The launch a call signature takes (its first call's tensors, after _Plan's copies): the
+    Gluon kernel's plan, or _TmaLaunch, or _PointerLaunch; each is called with the tensors."""
     scaled = compute == "fp8"
-    if bias is not None:  # the kernels read bias[n] at n (no stride); a copy of N elements where needed
-        bias = bias.contiguous()
-    if scaled:
-        a, b = _k_major(a, b)
-    elif compute == "tf32" and a.shape[0] == b.shape[0] == 1 and _take_tf32_tma(a, b):
-        with on_device(a):
-            a, b = _tf32_copy(a, 1), _tf32_copy(b, 0)
-    batch, M, K = a.shape
-    N = b.shape[2]
-    out = torch.empty(batch, M, N, dtype=out_dtype, device=a.device)
-    preact = torch.empty_like(out) if save_preact else None
-    if (batch == 1 and (scaled or _COMPUTE_DTYPE.get(compute) == a.dtype)
-            and _take_gluon(a[0], b[0], out[0], bias, None if residual is None else residual[0], fast_accum)):
-        first = {name: None if t is None else t[0] for name, t in
-                 (("residual", residual), ("preact", preact), ("scale_a", scale_a), ("scale_b", scale_b))}
-        with on_device(a):
-            gluon_module("gemm_gluon").gemm_into(a[0], b[0], out[0], sm_count(a.device), bias=bias,
-                                                 activation=activation, fast_accum=fast_accum, **first)
-        return out, preact
+    sms = sm_count(a.device)
+    if a.shape[0] == 1 and (scaled or _COMPUTE_DTYPE.get(compute) == a.dtype):
+        first = [None if t is None else t[0] for t in (residual, preact, scale_a, scale_b)]
+        if _take_gluon(a[0], b[0], out[0], bias, first[0], fast_accum):
+            plan = gluon_module("gemm_gluon").Plan
+            return plan(a[0], b[0], out[0], sms, bias=bias, residual=first[0], preact=first[1], scale_a=first[2],
+                        scale_b=first[3], activation=activation, fast_accum=fast_accum)
     epilogue = dict(ACTIVATION=activation or "none", HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-                    SAVE_PREACT=save_preact, PRECISE=not interpreter_enabled(),
-                    BF16_OUT=out_dtype == torch.bfloat16 and not interpreter_enabled(), SCALED=scaled,
+                    SAVE_PREACT=preact is not None, PRECISE=not _INTERPRETER,
+                    BF16_OUT=out.dtype == torch.bfloat16 and not _INTERPRETER, SCALED=scaled,
                     FP8_PRECISE=scaled and not fast_accum)
     # (batch, row) strides of scale_a and (batch, column) of scale_b; unscaled: never read
     scale_strides = (*scale_a.stride(), *scale_b.stride()) if scaled else (0, 0, 0, 0)
-    pointers = (bias if bias is not None else out, residual if residual is not None else out,
-                preact if preact is not None else out, scale_a if scaled else out, scale_b if scaled else out)
-    tma = _tma_operands(a, b, out, compute) if _take_tma(a, compute) else None
-    sms = sm_count(a.device)
-
-    def grid(meta):
-        tiles = batch * cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
-        return (max(1, min(sms, tiles)),)
-
     dtypes = (a.dtype, b.dtype, out.dtype, None if bias is None else bias.dtype,
               None if residual is None else residual.dtype)
-    with on_device(a):
-        if tma is not None:
-            _launch_tma(tma, out, pointers, residual, preact, M, N, K, compute, epilogue, sms, dtypes,
-                        scale_strides)
-            return out, preact
-        signature = ("pointers", next_power_of_2(M), N, K, a.stride(2), b.stride(2), compute, *dtypes,
-                     *epilogue.values())
-        _launch(_pointer_kernels(_OPERAND_BITS[compute]), signature, grid,
-                (a, b, out, *pointers, M, N, K, *a.stride(), *b.stride(), *out.stride(), *_strides(residual, out),
-                 *_strides(preact, out), *scale_strides, batch, next_power_of_2(M)),
-                dict(COMPUTE=compute, PRECISION=_PRECISION[compute], **epilogue),
-                heuristics=lambda config: {"EVEN_K": _even_k({"K": K, **config})})
-    return out, preact
+    tma = _tma_layouts(a, b, out, compute) if _take_tma(a, compute) else None
+    if tma is not None:
+        return _TmaLaunch(a, b, out, *tma, residual, preact, compute, epilogue, sms, dtypes, scale_strides)
+    return _PointerLaunch(a, b, out, residual, preact, compute, epilogue, sms, dtypes, scale_strides)
 
 
-def _launch_tma(tma, out, pointers, residual, preact, M, N, K, compute, epilogue, sms, dtypes, scale_strides):
-    descriptors, orders = tma
-    choices = _split_choices(M, N, K, sms)
-    signature = ("tma", next_power_of_2(M), N, K, compute, choices, *orders.values(), *dtypes, *epilogue.values())
-    chosen = _CHOSEN.get(signature)
-    # the partials and arrival counts of split-K, for the largest split the call may take
-    split = max(choices) if chosen is None else chosen[0]["SPLIT_K"]
-    partials, arrivals = out, out  # not read unsplit
-    if split > 1:
-        partials = torch.empty(split, M, N, device=out.device, dtype=torch.float32)
-        arrivals = _arrival_counts(out.device, cdiv(M, 32) * cdiv(N, 32))  # every tile is 32 x 32 or larger
+class _Plan:
+    """One call signature's launch (see the module docstring): the operand copies it needs, the
+    output's shape, and its route (_route), made on its first call's tensors."""
 
-    def set_block_shapes(config_kwargs):  # what the autotuner's pre-hook does when it launches
-        _tma_block_shapes(dict(zip(("a_desc", "b_desc", "c_desc"), descriptors), **orders, **config_kwargs))
+    __slots__ = ("device", "device_index", "fp8", "tf32_copy", "contiguous_bias", "out_shape", "out_dtype",
+                 "save_preact", "options", "route")
 
-    def grid(meta):  # at most `sms` programs, each walking the work units `sms` apart
-        return (max(1, min(sms, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]) * meta["SPLIT_K"])),)
+    def __init__(self, a, b, bias, activation, compute, out_dtype, save_preact, fast_accum):
+        self.device = a.device
+        self.device_index = self.device.index if self.device.type == "cuda" else None
+        self.fp8 = compute == "fp8"
+        self.tf32_copy = compute == "tf32" and a.shape[0] == 1 == b.shape[0] and _take_tf32_tma(a, b)
+        # the kernels read bias[n] at n (no stride): a copy of N elements where needed
+        self.contiguous_bias = bias is not None and not bias.is_contiguous()
+        self.out_shape = (a.shape[0], a.shape[1], b.shape[2])
+        self.out_dtype, self.save_preact = out_dtype, save_preact
+        self.options = (activation, compute, fast_accum)
+        self.route = None
 
-    _launch(_tma_kernels(_OPERAND_BITS[compute]), signature, grid,
-            (*descriptors, *pointers, partials, arrivals, M, N, K, *_strides(residual, out)[1:],
-             *_strides(preact, out)[1:], scale_strides[1], scale_strides[3], M * N, next_power_of_2(M),
-             _split_mask(choices), sms),
-            dict(COMPUTE=compute, PRECISION=_PRECISION[compute], **orders, **epilogue),
-            set_block_shapes, interpreter_config={"SPLIT_K": choices[-1]})
+    def run(self, a, b, bias, residual, scale_a, scale_b, out_shape):
+        if self.contiguous_bias:
+            bias = bias.contiguous()
+        if self.fp8:
+            a, b = _k_major(a, b)
+        elif self.tf32_copy:
+            with on_device(a):
+                a, b = _tf32_copy(a, 1), _tf32_copy(b, 0)
+        # in the caller's shape: the kernels take out's (batch, M, N) strides from the plan
+        shape = self.out_shape if out_shape is None else out_shape
+        out = torch.empty(shape, dtype=self.out_dtype, device=self.device)
+        preact = torch.empty(shape, dtype=self.out_dtype, device=self.device) if self.save_preact else None
+        route = self.route
+        if route is None:
+            as3 = lambda t: None if t is None else t.view(self.out_shape)  # noqa: E731
+            route = self.route = _route(a, b, as3(out), bias, residual, as3(preact), scale_a, scale_b, *self.options)
+        index = self.device_index
+        if index is None or index == torch.cuda.current_device():
+            route(a, b, out, bias, residual, preact, scale_a, scale_b)
+        else:  # Triton launches on the current device
+            with torch.cuda.device(index):
+                route(a, b, out, bias, residual, preact, scale_a, scale_b)
+        return out, preact
+
+
+# Plans by call signature (every input of their decisions); bounded: ever new shapes start over.
+_PLANS: dict = {}
+_MAX_PLANS = 4096
+# The autotuner's pick per tuner signature (its key and more): (config kwargs, kernel, launch
+# keywords). A new plan at a tuned signature starts from it; benchmarks print it.
+_CHOSEN: dict = {}
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+         activation: Optional[str], compute: str, out_dtype: torch.dtype, save_preact: bool,
+         scale_a: Optional[torch.Tensor] = None, scale_b: Optional[torch.Tensor] = None, fast_accum: bool = False,
+         out_shape: Optional[tuple] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    signature = (a.shape, a.stride(), b.stride(), b.shape[2], a.dtype, b.dtype, a.device, a.data_ptr() % 16,
+                 b.data_ptr() % 16, compute, out_dtype, activation, save_preact, fast_accum,
+                 None if bias is None else (bias.dtype, bias.stride()),
+                 None if residual is None else (residual.dtype, residual.stride(), residual.data_ptr() % 16),
+                 None if scale_a is None else (scale_a.stride(), scale_b.stride()), USE_TMA, USE_GLUON, SPLIT_K)
+    plan = _PLANS.get(signature)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[signature] = _Plan(a, b, bias, activation, compute, out_dtype, save_preact, fast_accum)
+    return plan.run(a, b, bias, residual, scale_a, scale_b, out_shape)
 
 
 # Split-K's arrival counts, one zeroed int32 buffer per (device, stream): gemm_tma_kernel sets
@@ -419,7 +521,8 @@ _ARRIVALS: dict = {}
 
 
 def _arrival_counts(device: torch.device, count: int) -> torch.Tensor:
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    # the raw stream, as kernelforge.triton._launch reads it: torch.cuda.current_stream costs ~7 us
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0)
     counts = _ARRIVALS.get(key)
     if counts is None or counts.numel() < count:
         counts = torch.zeros(max(count, 4096), device=device, dtype=torch.int32)

@@ -32,6 +32,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernelforge.triton._launch import cdiv, launch
 from kernelforge.triton.gemm_kernels import _bias_activation, _dequantized, _tile_coordinates
+from kernelforge.triton.tma_descriptors import descriptor_template, rebased
 
 FP8 = torch.float8_e4m3fn
 DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, FP8: gl.float8e4nv, torch.float32: gl.float32}
@@ -278,8 +279,9 @@ def _shared_layout(block: tuple, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), DTYPES[dtype])
 
 
-def _descriptor(t: torch.Tensor, block: list) -> TensorDescriptor:
-    return TensorDescriptor.from_tensor(t, block, _shared_layout(tuple(block), t.dtype))
+def _template(t: torch.Tensor, block: list) -> TensorDescriptor:
+    """A descriptor of t's rows (checked by its constructor) to rebase on each call's tensors."""
+    return descriptor_template(TensorDescriptor.from_tensor(t, block, _shared_layout(tuple(block), t.dtype)))
 
 
 def tile(a_dtype: torch.dtype, out_dtype: torch.dtype, promote: bool, epilogue_reads: bool) -> dict:
@@ -302,37 +304,63 @@ def _stages(block_m, block_n, block_k, a_dtype, out_dtype, most: int = 6) -> int
     return min(most, (SHARED_BYTES - block_m * block_n * out_dtype.itemsize) // stage)
 
 
-def arguments(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias=None, residual=None, preact=None,
-              scale_a=None, scale_b=None, activation=None, fast_accum: bool = False, block_m: int = 128,
-              block_n: int = None, block_k: int = None, group_m: int = 8, stages: int = None):
-    """(positional arguments, constexprs) of gemm_ws_kernel for out = act(a @ b * scales + bias)
-    + residual, preact = a @ b * scales: a (M, K) and b (K, N) either way round (rows where
-    TMA can read them so, else their transposes' rows: a Linear weight's transpose reads
+class Plan:
+    """gemm_ws_kernel's launch for one call signature, worked out once: out = act(a @ b * scales
+    + bias) + residual, preact = a @ b * scales, for a (M, K) and b (K, N) either way round (rows
+    where TMA can read them so, else their transposes' rows: a Linear weight's transpose reads
     K-major; e4m3 both K-major only), out, residual and preact (M, N) row-major, bias (N,),
-    scale_a (M,) and scale_b (N,) float32 (stride 0: one scale)."""
-    M, K = a.shape
-    N = b.shape[1]
-    scaled = a.dtype == FP8
-    promote = scaled and not fast_accum
-    default = tile(a.dtype, out.dtype, promote, bias is not None or residual is not None)
-    block_n = block_n or default["block_n"]
-    block_k = block_k or default["block_k"]
-    stages = stages or _stages(block_m, block_n, block_k, a.dtype, out.dtype)
-    a_m_major = not _tma_readable(a, 1)
-    b_k_major = not _tma_readable(b, 1)
-    a_desc = _descriptor(a.t(), [block_k, block_m]) if a_m_major else _descriptor(a, [block_m, block_k])
-    b_desc = _descriptor(b.t(), [block_n, block_k]) if b_k_major else _descriptor(b, [block_k, block_n])
-    c_desc = _descriptor(out, [block_m, block_n])
-    res_desc = c_desc if residual is None else _descriptor(residual, [block_m, block_n])
-    pre_desc = c_desc if preact is None else _descriptor(preact, [block_m, block_n])
-    pointers = [t if t is not None else out for t in (bias, scale_a, scale_b)]
-    values = (a_desc, b_desc, c_desc, res_desc, pre_desc, *pointers, M, N, K,
-              scale_a.stride(0) if scaled else 0, scale_b.stride(0) if scaled else 0)
-    constexprs = dict(GROUP_M=group_m, STAGES=stages, A_M_MAJOR=a_m_major, B_K_MAJOR=b_k_major, PROMOTE=promote,
-                      ACTIVATION=activation or "none", HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-                      SAVE_PREACT=preact is not None, SCALED=scaled, PRECISE=True,
-                      BF16_OUT=out.dtype == torch.bfloat16, num_warps=8)
-    return values, constexprs
+    scale_a (M,) and scale_b (N,) float32 (stride 0: one scale). The tensors given here fix the
+    signature (shapes, strides, dtypes, alignment, which epilogue inputs there are); calling the
+    plan launches on tensors of that signature: the matrices, or tensors that start where they
+    do (a batch of one)."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sms: int, bias=None, residual=None,
+                 preact=None, scale_a=None, scale_b=None, activation=None, fast_accum: bool = False, block_m: int = 128,
+                 block_n: int = None, block_k: int = None, group_m: int = 8, stages: int = None):
+        M, K = a.shape
+        N = b.shape[1]
+        scaled = a.dtype == FP8
+        promote = scaled and not fast_accum
+        default = tile(a.dtype, out.dtype, promote, bias is not None or residual is not None)
+        block_n = block_n or default["block_n"]
+        block_k = block_k or default["block_k"]
+        stages = stages or _stages(block_m, block_n, block_k, a.dtype, out.dtype)
+        a_m_major = not _tma_readable(a, 1)
+        b_k_major = not _tma_readable(b, 1)
+        c = _template(out, [block_m, block_n])
+        self.templates = (_template(a.t(), [block_k, block_m]) if a_m_major else _template(a, [block_m, block_k]),
+                          _template(b.t(), [block_n, block_k]) if b_k_major else _template(b, [block_k, block_n]),
+                          c, c if residual is None else _template(residual, [block_m, block_n]),
+                          c if preact is None else _template(preact, [block_m, block_n]))
+        self.ints = (M, N, K, scale_a.stride(0) if scaled else 0, scale_b.stride(0) if scaled else 0)
+        self.constexprs = dict(GROUP_M=group_m, STAGES=stages, A_M_MAJOR=a_m_major, B_K_MAJOR=b_k_major,
+                               PROMOTE=promote, ACTIVATION=activation or "none", HAS_BIAS=bias is not None,
+                               HAS_RESIDUAL=residual is not None, SAVE_PREACT=preact is not None, SCALED=scaled,
+                               PRECISE=True, BF16_OUT=out.dtype == torch.bfloat16, num_warps=8)
+        self.grid = (max(1, min(sms, cdiv(M, block_m) * cdiv(N, block_n))),)
+
+    def arguments(self, a, b, out, bias=None, residual=None, preact=None, scale_a=None, scale_b=None) -> tuple:
+        """gemm_ws_kernel's positional arguments for these tensors."""
+        a_desc, b_desc, c_desc, res_desc, pre_desc = self.templates
+        c_desc = rebased(c_desc, out)
+        return (rebased(a_desc, a), rebased(b_desc, b), c_desc,
+                c_desc if residual is None else rebased(res_desc, residual),
+                c_desc if preact is None else rebased(pre_desc, preact),
+                out if bias is None else bias, out if scale_a is None else scale_a, out if scale_b is None else scale_b,
+                *self.ints)
+
+    def __call__(self, a, b, out, bias=None, residual=None, preact=None, scale_a=None, scale_b=None) -> None:
+        launch(gemm_ws_kernel, self.grid, *self.arguments(a, b, out, bias, residual, preact, scale_a, scale_b),
+               **self.constexprs)
+
+
+def arguments(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias=None, residual=None, preact=None,
+              scale_a=None, scale_b=None, activation=None, fast_accum: bool = False, **tile_options):
+    """(positional arguments, constexprs) of gemm_ws_kernel for these tensors (see Plan; tile_options:
+    block_m, block_n, block_k, group_m, stages)."""
+    tensors = dict(bias=bias, residual=residual, preact=preact, scale_a=scale_a, scale_b=scale_b)
+    plan = Plan(a, b, out, 1, activation=activation, fast_accum=fast_accum, **tensors, **tile_options)
+    return plan.arguments(a, b, out, **tensors), plan.constexprs
 
 
 def _tma_readable(t: torch.Tensor, unit_dim: int) -> bool:
@@ -377,16 +405,15 @@ def takes(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, capability, sms: 
 
 def gemm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sms: int, **options) -> torch.Tensor:
     """out = act(a @ b * scales + bias) + residual by gemm_ws_kernel (what `takes` accepts),
-    `sms` persistent programs at most; options: arguments()'s keywords."""
-    values, constexprs = arguments(a, b, out, **options)
-    block_m, block_n = values[2].block_shape
-    tiles = cdiv(a.shape[0], block_m) * cdiv(b.shape[1], block_n)
-    launch(gemm_ws_kernel, (max(1, min(sms, tiles)),), *values, **constexprs)
+    `sms` persistent programs at most; options: Plan's keywords. A plan of its own: the GEMM
+    launcher keeps one per call signature instead."""
+    tensors = {k: options.pop(k, None) for k in ("bias", "residual", "preact", "scale_a", "scale_b")}
+    Plan(a, b, out, sms, **tensors, **options)(a, b, out, **tensors)
     return out
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, sms: int, out_dtype=None, **options) -> torch.Tensor:
-    """out = a @ b (options: arguments()'s keywords) into a new tensor
+    """out = a @ b (options: Plan's keywords) into a new tensor
     (benchmarks/gluon_gemm_experiment.py)."""
     out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype or a.dtype, device=a.device)
     return gemm_into(a, b, out, sms, **options)

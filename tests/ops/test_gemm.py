@@ -190,14 +190,14 @@ def test_both_triton_kernels_on_every_layout(backend, device, use_tma, monkeypat
     from kernelforge.triton import gemm as triton_gemm
 
     launches = []
-    launch_tma = triton_gemm._launch_tma
+    launch_tma = triton_gemm._TmaLaunch.__call__
 
-    def counted(*args):
-        launches.append(args)
-        return launch_tma(*args)
+    def counted(self, *tensors):
+        launches.append(tensors)
+        return launch_tma(self, *tensors)
 
     monkeypatch.setattr(triton_gemm, "USE_TMA", use_tma)
-    monkeypatch.setattr(triton_gemm, "_launch_tma", counted)
+    monkeypatch.setattr(triton_gemm._TmaLaunch, "__call__", counted)
     M, K, N = 70, 40, 56
     for dtype in [torch.float16] + ([torch.bfloat16] if device == "cuda" else []):
         weight = torch.randn(N, K, device=device, dtype=dtype) / K ** 0.5
@@ -251,17 +251,14 @@ def record_tma_splits(monkeypatch):
     from kernelforge.triton import gemm as triton_gemm
 
     splits = []
-    launch = triton_gemm._launch
+    launch = triton_gemm._TmaLaunch.__call__
 
-    def recorded(kernels, signature, grid, args, kwargs, set_block_shapes=None, heuristics=None,
-                 interpreter_config=None):
-        launch(kernels, signature, grid, args, kwargs, set_block_shapes, heuristics, interpreter_config)
-        if signature[0] == "tma":
-            chosen = triton_gemm._CHOSEN.get(signature)
-            splits.append(interpreter_config["SPLIT_K"] if chosen is None else chosen[0]["SPLIT_K"])
+    def recorded(self, *tensors):
+        launch(self, *tensors)
+        splits.append(self.chosen[4])  # chosen by the call's signature's first call (the tuner, or the interpreter's)
 
     monkeypatch.setattr(triton_gemm, "USE_TMA", True)
-    monkeypatch.setattr(triton_gemm, "_launch", recorded)
+    monkeypatch.setattr(triton_gemm._TmaLaunch, "__call__", recorded)
     return splits
 
 

@@ -29,14 +29,17 @@ SM90_SHARED_BYTES = 227 * 1024  # the most one block may opt into on an H100 / H
 @pytest.fixture
 def gluon_calls(monkeypatch):
     calls = []
-    run = gemm_gluon.gemm_into
+    run = gemm_gluon.Plan.__call__
 
-    def counted(a, b, out, sms, **options):
-        epilogue = sorted(k for k, v in options.items() if v is not None and k != "fast_accum")
+    def counted(self, a, b, out, bias=None, residual=None, preact=None, scale_a=None, scale_b=None):
+        tensors = dict(bias=bias, residual=residual, preact=preact, scale_a=scale_a, scale_b=scale_b)
+        epilogue = sorted(k for k, v in tensors.items() if v is not None)
+        if self.constexprs["ACTIVATION"] != "none":
+            epilogue = sorted(epilogue + ["activation"])
         calls.append((tuple(a.shape), tuple(b.shape), *epilogue))
-        return run(a, b, out, sms, **options)
+        return run(self, a, b, out, **tensors)
 
-    monkeypatch.setattr(gemm_gluon, "gemm_into", counted)
+    monkeypatch.setattr(gemm_gluon.Plan, "__call__", counted)
     return calls
 
 
