@@ -21,6 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--size", choices=("small", "realistic"), default=None,
                       help="model sizes (default: realistic on a GPU, small on a CPU)")
     demo.add_argument("--repeat", type=int, default=None, help="timed calls per level (default 10 GPU, 3 CPU)")
+    demo.add_argument("--workloads", default=None,
+                      help="comma-separated workloads (default all: lm-forward,lm-train-step,vit-forward,gnn-forward,"
+                           "lm-decode)")
     bench = sub.add_parser("bench", help="benchmark ops against eager, torch.compile and peers; JSON, CSV, Markdown, PNG")
     bench.add_argument("ops", nargs="*", default=["all"], help="op names (see kernelforge.bench.suites) or 'all'")
     bench.add_argument("--dtype", default="bf16,fp32", help="comma-separated: bf16, fp16, fp32 (default bf16,fp32)")
@@ -55,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _demo(args) -> int:
-    from kernelforge.demo import DEMO_LEVELS, run_demo
+    from kernelforge.demo import DEMO_LEVELS, UnknownWorkloadError, run_demo
     from kernelforge.models import LEVELS
     from kernelforge.models.levels import EXTRA_LEVELS
 
@@ -65,8 +68,13 @@ def _demo(args) -> int:
         sys.stderr.write(f"kernelforge demo: unknown level(s) {unknown}; expected some of {LEVELS + EXTRA_LEVELS}\n")
         return 2
     realistic = None if args.size is None else args.size == "realistic"
-    return run_demo(sys.stdout, device=args.device, out_dir=args.out, levels=levels, realistic=realistic,
-                    repeat=args.repeat)
+    only = None if args.workloads is None else args.workloads.split(",")
+    try:
+        return run_demo(sys.stdout, device=args.device, out_dir=args.out, levels=levels, realistic=realistic,
+                        repeat=args.repeat, only=only)
+    except UnknownWorkloadError as err:
+        sys.stderr.write(f"{err}\n")
+        return 2
 
 
 def _new_op(args) -> int:

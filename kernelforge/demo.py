@@ -28,7 +28,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, TextIO
+from typing import Callable, Optional, Sequence, TextIO
 
 import torch
 
@@ -299,10 +299,20 @@ def plot(rows: list[Row], path: Path, title: str) -> Path:
     return path
 
 
+class UnknownWorkloadError(ValueError):
+    """run_demo(only=...) names a workload the demo does not have."""
+
+
+def _workload_key(name: str) -> str:
+    return name.lower().replace("-", " ").replace("_", " ")
+
+
 def run_demo(out: TextIO, device: Optional[str] = None, out_dir: str = "demo-results", levels=DEMO_LEVELS,
-             realistic: Optional[bool] = None, repeat: Optional[int] = None) -> int:
+             realistic: Optional[bool] = None, repeat: Optional[int] = None,
+             only: Optional[Sequence[str]] = None) -> int:
     """Prints the table, writes demo.md / demo.json / demo.png under out_dir; returns 0 when every
-    level that ran matched the reference, else 1."""
+    level that ran matched the reference, else 1. `only`: the workloads to run, by name (case and
+    "-" / "_" for spaces do not matter: "lm-decode" is "LM decode"); default all."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     realistic = dev.type == "cuda" if realistic is None else realistic
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -323,7 +333,15 @@ def run_demo(out: TextIO, device: Optional[str] = None, out_dir: str = "demo-res
     path = Path(out_dir)
     path.mkdir(parents=True, exist_ok=True)
     rows: list[Row] = []
-    for work in workloads(dev, dtype, realistic):
+    chosen = workloads(dev, dtype, realistic)
+    if only is not None:
+        wanted = {_workload_key(n) for n in only}
+        unknown = wanted - {_workload_key(w.name) for w in chosen}
+        if unknown:
+            raise UnknownWorkloadError(f"kernelforge demo: unknown workload(s) {sorted(unknown)}; expected some of "
+                             f"{[w.name for w in chosen]}")
+        chosen = [w for w in chosen if _workload_key(w.name) in wanted]
+    for work in chosen:
         rows += run_workload(work, levels, dev, dtype, repeat)
         out.write(f"{work.name}: done\n")
         out.flush()
@@ -341,4 +359,4 @@ def run_demo(out: TextIO, device: Optional[str] = None, out_dir: str = "demo-res
     return 1 if failed else 0
 
 
-__all__ = ["run_demo", "workloads"]
+__all__ = ["DEMO_LEVELS", "UnknownWorkloadError", "run_demo", "workloads"]

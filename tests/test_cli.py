@@ -46,7 +46,9 @@ def test_demo_checks_times_and_plots(capsys, tmp_path, monkeypatch):
     assert (out_dir / "demo.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_demo_refuses_unknown_levels(capsys):
+def test_demo_refuses_unknown_levels_and_workloads(capsys):
+    assert main(["demo", "--workloads", "lm-forward,lm-backward"]) == 2
+    assert "unknown workload(s) ['lm backward']" in capsys.readouterr().err
     assert main(["demo", "--levels", "native,fast"]) == 2
     assert "unknown level(s) ['fast']" in capsys.readouterr().err
 
