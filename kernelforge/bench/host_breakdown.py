@@ -7,7 +7,7 @@ perf_counter_ns pairs; each call's time goes to its category less the wrapped ca
     parts["us"]  # {category: microseconds per step}, CATEGORIES, adding up to the step's host time
 
 Categories:
-  dispatch  the eager path's glue: _opdef.Op.__call__ and _no_views; _common.plain_eager_call, not_a_view
+  dispatch  the eager path's glue: _opdef.Op.__call__ and _no_views
   op code   the impl of each defined op (_opdef.DEFINITIONS), its own lines: views, arithmetic, and
             the torch ops of the reference backend
   checks    the ops' check_* / _check* / _validate* / normalize_dim / require functions
@@ -98,7 +98,6 @@ CHECK_NAME = re.compile(r"^_?(check|validate)|^(normalize_dim|require)$")
 CHOICE_NAME = re.compile(r"^_?choose")
 # (category, "module:Attr.path"): resolved only where the module is already imported
 STATIC = [("dispatch", "kernelforge.ops._opdef:Op.__call__"), ("dispatch", "kernelforge.ops._opdef:_no_views"),
-          ("dispatch", "kernelforge.ops._common:plain_eager_call"), ("dispatch", "kernelforge.ops._common:not_a_view"),
           ("choice", "kernelforge.backends:select"), ("choice", "kernelforge.backends:Implementation.launchers"),
           ("launch", "kernelforge.triton._launch:launch"), ("launch", "triton.runtime.jit:JITFunction.run"),
           ("launch", "triton.runtime.autotuner:Autotuner.run"), ("launch", "triton.runtime.autotuner:Heuristics.run"),

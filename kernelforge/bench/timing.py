@@ -178,7 +178,7 @@ def compare_implementations(implementations: dict, *inputs, warmup: int = 10, re
 class CallInBackward(torch.autograd.Function):
     """y = x.clone() whose backward calls `job()` on whichever thread runs it (autograd's device
     thread for CUDA tensors, unless multithreading is off): host-time probes time, profile or
-    pin that thread from inside a backward (benchmarks/autograd_thread_probe.py, host_timeline.py)."""
+    pin that thread from inside a backward (benchmarks/autograd_thread_probe.py)."""
 
     @staticmethod
     def forward(ctx, x, job):

@@ -5,7 +5,7 @@ alike, and its message says which argument, what was expected, and what was give
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -49,32 +49,3 @@ def check_same(op: str, what: str, names: Sequence[str], values: Sequence[object
         if not v == first:
             raise RuntimeError(f"kernelforge.{op}: expected {', '.join(names)} to have the same {what}, got "
                                + ", ".join(f"{n}: {v}" for n, v in zip(names, values)))
-
-
-def plain_eager_call(x: torch.Tensor, *others: Optional[torch.Tensor]) -> bool:
-    """True in plain eager mode: not tracing or compiling, no tensor subclass, mode or
-    functorch transform. Then the public functions skip the dispatcher: they call the
-    implementation directly, through an autograd.Function when a gradient is needed. A Python
-    custom op costs tens of microseconds a call in dispatch and autograd glue (measured
-    with benchmarks/softmax_overhead.py), more than the kernel at small shapes. Everything
-    else (torch.compile, FakeTensor, vmap, torch.func...) goes through the registered op."""
-    # `others` (weights, biases, residuals) may also be nn.Parameter, a subclass that adds no
-    # torch_function behavior.
-    return (
-        not torch.compiler.is_compiling()
-        and type(x) is torch.Tensor
-        and all(t is None or type(t) in (torch.Tensor, torch.nn.Parameter) for t in others)
-        and torch._C._len_torch_dispatch_stack() == 0
-        and not torch._C._is_torch_function_mode_enabled()
-        and not torch._C._are_functorch_transforms_active()
-    )
-
-
-def not_a_view(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """`t` (a launcher's result, reshaped back to the input's layout) as a tensor that is not a
-    view, on the same memory. What an eager autograd.Function returns must not be a view: autograd
-    refuses in-place ops on "a view created inside a custom Function" (y = norm(x); y += r),
-    which torch's own modules' outputs allow. No copy: the memory is nobody else's."""
-    if t is None or not t._is_view():
-        return t
-    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())

@@ -109,9 +109,13 @@ def _spec(arg):
 
 # (kernel, device, keyword arguments, _spec of each positional argument) -> (the compiled
 # kernel's launcher, its CUfunction, packed metadata, the values of the parameters after the
-# positional ones, in signature order)
+# positional ones, in signature order): one entry per specialization.
 _COMPILED: dict = {}
-
+# The same entries by _key (ints by value): what a call looks up first, as forming that key costs
+# one append an argument where _spec's costs a tuple of four tests an int. Cleared when it reaches
+# _MAX_BY_VALUE keys (a kernel called at ever new sizes would grow it without end); _COMPILED stays.
+_BY_VALUE: dict = {}
+_MAX_BY_VALUE = 1 << 16
 
 # Tensors launch() passes to Triton as they are; any other tensor type is a tracer's (below).
 _REAL_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -124,6 +128,28 @@ def _first_tensor(args):
     return None
 
 
+def _key(kernel, device: int, args: tuple, kwargs: dict) -> tuple:
+    """The _BY_VALUE key of one launch: ints as themselves, None and bools as (type, value) (finer than
+    Triton's specialization), a tensor's dtype and 16-byte alignment, anything else by _spec. Raises
+    _NotDirect for what _spec does not know, and for a tracer's tensor."""
+    key = [kernel, device, tuple(kwargs.items())]
+    add = key.append
+    for arg in args:
+        kind = type(arg)
+        if kind in _REAL_TENSORS:
+            add(arg.dtype)
+            add(arg.data_ptr() & 15 == 0)
+        elif kind is int:
+            add(arg)
+        elif kind is bool or arg is None:
+            add((kind, arg))
+        elif isinstance(arg, torch.Tensor):
+            raise _NotDirect
+        else:
+            add(_spec(arg))
+    return tuple(key)
+
+
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """kernel[grid](*args, **kwargs) on the current CUDA stream, at a fraction of the host cost.
 
@@ -134,12 +160,12 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     Triton's JITFunction.run binds and specializes every argument, reads its environment knobs
     and looks the kernel up on every call: 14 us for a kernel of 31 arguments against 6 us for
     the compiled launcher alone, and 27 us for the GEMM kernel (H200 host; measured by
-    benchmarks/host_timeline.py). Here the first call at a specialization goes through Triton
+    benchmarks/results/nvidia-h200/host/). Here the first call at a specialization goes through Triton
     (compiling if needed); later calls with the same keyword arguments and the same
     specialization of every positional argument (`_spec`, which separates at least whatever
-    Triton separates) call the compiled launcher directly, as Inductor's generated launchers
-    do. Triton's path is kept for the interpreter, for arguments `_spec` does not know, and
-    while launch hooks (a profiler's) are installed. Keyword arguments must be hashable."""
+    Triton separates; `_key`) call the compiled launcher directly, as Inductor's generated
+    launchers do. Triton's path is kept for the interpreter, for arguments `_spec` does not know,
+    and while launch hooks (a profiler's) are installed. Keyword arguments must be hashable."""
     first = _first_tensor(args)
     if first is not None and type(first) not in _REAL_TENSORS:
         from torch.library import wrap_triton
@@ -153,21 +179,27 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         return
     device = torch.cuda.current_device()
     try:
-        key = (kernel, device, tuple(kwargs.items()), tuple(map(_spec, args)))
-        entry = _COMPILED.get(key)
+        by_value = _key(kernel, device, args, kwargs)
+        entry = _BY_VALUE.get(by_value)
     except (_NotDirect, TypeError):  # TypeError: an unhashable keyword value
         kernel[grid](*args, **kwargs)
         return
     if entry is None:
-        if any(p.is_constexpr for p in kernel.params[:len(args)]):
-            raise TypeError(f"launch({kernel.fn.__name__}): pass constexpr parameters by keyword (a positional "
-                            "one would be keyed by its specialization, not its value)")
-        compiled = kernel[grid](*args, **kwargs)
-        if hasattr(compiled, "result"):  # Triton's asynchronous compile mode
-            compiled = compiled.result()
-        tail = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in kernel.params[len(args):])
-        _COMPILED[key] = (compiled.run, compiled.function, compiled.packed_metadata, tail)
-        return
+        key = (kernel, device, by_value[2], tuple(map(_spec, args)))
+        entry = _COMPILED.get(key)
+        if entry is None:
+            if any(p.is_constexpr for p in kernel.params[:len(args)]):
+                raise TypeError(f"launch({kernel.fn.__name__}): pass constexpr parameters by keyword (a positional "
+                                "one would be keyed by its specialization, not its value)")
+            compiled = kernel[grid](*args, **kwargs)
+            if hasattr(compiled, "result"):  # Triton's asynchronous compile mode
+                compiled = compiled.result()
+            tail = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in kernel.params[len(args):])
+            _COMPILED[key] = (compiled.run, compiled.function, compiled.packed_metadata, tail)
+            return
+        if len(_BY_VALUE) >= _MAX_BY_VALUE:
+            _BY_VALUE.clear()
+        _BY_VALUE[by_value] = entry
     run, function, metadata, tail = entry
     grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
     run(grid_x, grid_y, grid_z, torch._C._cuda_getCurrentRawStream(device), function, metadata, None, None, None,

@@ -67,6 +67,18 @@ def test_spec_separates_whatever_triton_separates():
     assert _spec(1) != _spec(1.0) and _spec(0) != _spec(False)
 
 
+def test_value_keys_are_finer_than_the_specialization():
+    """Two launches that share a _key share every argument's _spec (so the entry found by value is the
+    entry of their specialization); bools and ints of equal value, and None, keep apart."""
+    args = _sample_args()
+    keys = [_launch._key(None, 0, (a,), {}) for a in args]
+    for (i, a), (j, b) in itertools.combinations(enumerate(args), 2):
+        if keys[i] == keys[j]:
+            assert _spec(a) == _spec(b), f"{a!r} and {b!r} share a value key but not a specialization"
+    assert _launch._key(None, 0, (1,), {}) != _launch._key(None, 0, (True,), {})
+    assert _launch._key(None, 0, (0,), {}) != _launch._key(None, 0, (None,), {})
+
+
 def test_spec_refuses_what_it_does_not_know():
     with pytest.raises(_launch._NotDirect):
         _spec(object())
@@ -100,6 +112,7 @@ def test_every_specialization_change_gives_the_right_result(device):
 @pytest.mark.gpu
 def test_repeated_calls_reuse_one_entry_and_skip_triton(monkeypatch):
     monkeypatch.setattr(_launch, "_COMPILED", {})  # whatever other tests compiled: not here
+    monkeypatch.setattr(_launch, "_BY_VALUE", {})
     calls = []
     original = type(_affine_kernel).run
     monkeypatch.setattr(type(_affine_kernel), "run", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
@@ -108,6 +121,7 @@ def test_repeated_calls_reuse_one_entry_and_skip_triton(monkeypatch):
         y = _run(x, n, 1, 1.0, 0.0, 0, torch.float32)
         torch.testing.assert_close(y[:n], _expected(x, n, 1, 1.0, 0.0, 0))
     assert len(_launch._COMPILED) == 1 and len(calls) == 1
+    assert len(_launch._BY_VALUE) == 2  # 9 and 10 found 8's entry by specialization, then keep it by value
     _run(x, 16, 1, 1.0, 0.0, 0, torch.float32)  # % 16: a new specialization, through Triton once
     assert len(_launch._COMPILED) == 2 and len(calls) == 2
 
