@@ -61,6 +61,8 @@ def decode_split_kernel(
     """Partial attention of every (q head of the group, query) row over one key range:
     normalized out (float32) and lse in log2 units (-inf when the range shows the row nothing).
     HAS_SEQLENS: batch b's keys end at SEQLENS[b] (clamped to [0, Sk]), its band aligns there."""
+    # Inductor passes a Python float as fp64 (eager Triton as fp32): float32 math either way
+    qk_scale = tl.cast(qk_scale, tl.float32)
     split = tl.program_id(0)
     pid = tl.program_id(1)
     b = pid // HKV

@@ -111,6 +111,8 @@ def flash_forward_kernel(
     """HAS_SEQLENS: a KV cache filled to SEQLENS[b] (clamped to [0, Sk]): the keys, the tile ranges
     and the band's alignment all end there (the launcher sets HAS_BAND, so that a BlockMask's full
     tiles are checked against it too)."""
+    # Inductor passes a Python float as fp64 (eager Triton as fp32): float32 math either way
+    qk_scale = tl.cast(qk_scale, tl.float32)
     pid_bh, b, h, m0, offs_m, q, k_base, v_base, mask_base = _query_tile(
         Q, K, V, MASK, sqb, sqh, sqm, skb, skh, svb, svh, smb, smh, H, GROUP, Sq, HEAD_DIM, BLOCK_M, BLOCK_D)
     if HAS_SEQLENS:
@@ -248,6 +250,8 @@ def flash_backward_dkdv_kernel(
     """One program per (key tile, batch, kv head): walks the query tiles that see the key
     tile, for every q head of the group in turn, so dK and dV are summed in a fixed order
     (deterministic, no atomics) and written once."""
+    # Inductor passes a Python float as fp64 (eager Triton as fp32): float32 math either way
+    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // HKV
@@ -374,6 +378,8 @@ def flash_backward_dq_kernel(
     MB_K: tl.constexpr, PRECISION: tl.constexpr, ONE_LOOP: tl.constexpr,
 ):
     """One program per (query tile, batch, head), over the key tiles it sees, as the forward."""
+    # Inductor passes a Python float as fp64 (eager Triton as fp32): float32 math either way
+    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)
     pid_bh, b, h, m0, offs_m, q, k_base, v_base, mask_base = _query_tile(
         Q, K, V, MASK, sqb, sqh, sqm, skb, skh, svb, svh, smb, smh, H, GROUP, Sq, HEAD_DIM, BLOCK_M, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)

@@ -36,6 +36,8 @@ def cross_entropy_forward_kernel(
     LOGITS, TARGET, LOSS, LSE, n_classes, row_stride, ignore_index, label_smoothing,
     BLOCK: tl.constexpr, SMOOTHING: tl.constexpr, PRECISE: tl.constexpr,
 ):
+    # Inductor passes a Python float as fp64 (eager Triton as fp32): float32 math either way
+    label_smoothing = tl.cast(label_smoothing, tl.float32)
     row = tl.program_id(0).to(tl.int64)
     base = LOGITS + row * row_stride
     cols = tl.arange(0, BLOCK)
@@ -50,7 +52,7 @@ def cross_entropy_forward_kernel(
     for start in range(0, n_classes, BLOCK):
         mask = start + cols < n_classes
         x = tl.load(base + start + cols, mask=mask, other=float("-inf"), eviction_policy="evict_first")
-        x = x.to(tl.float32)
+        x = tl.cast(x, tl.float32)
         new_max = tl.maximum(running_max, tl.max(x, axis=0))
         # a row of -inf so far keeps new_max -inf: shift by 0 then, not by -inf (NaN)
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -75,6 +77,8 @@ def cross_entropy_backward_kernel(
     ignore_index, label_smoothing,
     BLOCK: tl.constexpr,
 ):
+    # Inductor passes a Python float as fp64 (eager Triton as fp32): float32 math either way
+    label_smoothing = tl.cast(label_smoothing, tl.float32)
     row = tl.program_id(0).to(tl.int64)
     base = LOGITS + row * row_stride
     out = GRAD + row * grad_row_stride

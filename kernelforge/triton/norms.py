@@ -73,6 +73,8 @@ def _norm_fwd_fused_kernel(
     RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # Inductor passes a Python float as fp64 (eager Triton as fp32): float32 math either way
+    eps, offset = tl.cast(eps, tl.float32), tl.cast(offset, tl.float32)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows
@@ -83,7 +85,7 @@ def _norm_fwd_fused_kernel(
         # The new residual is stored in x's dtype and the norm sees exactly what is stored.
         h = h.to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + rows[:, None] * n_cols + cols[None, :], h, mask=mask)
-        h = h.to(tl.float32)
+        h = tl.cast(h, tl.float32)
     if RMS:
         rstd = _rstd(tl.sum(h * h, axis=1), n_cols, eps)
         xhat = h * rstd[:, None]
@@ -109,6 +111,8 @@ def _norm_fwd_two_pass_kernel(
     RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    # Inductor passes a Python float as fp64 (eager Triton as fp32): float32 math either way
+    eps, offset = tl.cast(eps, tl.float32), tl.cast(offset, tl.float32)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     # Pass 1: statistics. Layer norm merges each chunk's exact mean and squared deviations
@@ -124,7 +128,7 @@ def _norm_fwd_two_pass_kernel(
             h += tl.load(res_ptr + row * res_row_stride + start + cols, mask=mask, other=0.0).to(tl.float32)
             h = h.to(res_out_ptr.dtype.element_ty)
             tl.store(res_out_ptr + row * n_cols + start + cols, h, mask=mask, eviction_policy="evict_last")
-            h = h.to(tl.float32)
+            h = tl.cast(h, tl.float32)
         if RMS:
             sq += tl.sum(h * h, axis=0)
         else:
@@ -214,6 +218,8 @@ def _norm_bwd_fused_kernel(
     RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_DRES: tl.constexpr,
     WEIGHT_GRAD: tl.constexpr, BIAS_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # Inductor passes a Python float as fp64 (eager Triton as fp32): float32 math either way
+    offset = tl.cast(offset, tl.float32)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
@@ -240,6 +246,8 @@ def _norm_bwd_row_dots_kernel(
     RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Long rows, step 1: mean(g * xhat) and mean(g) of each row into dots (rows, 2)."""
+    # Inductor passes a Python float as fp64 (eager Triton as fp32): float32 math either way
+    offset = tl.cast(offset, tl.float32)
     row = tl.program_id(0).to(tl.int64) + tl.zeros((1,), tl.int64)
     row_mask = row >= 0
     cols = tl.arange(0, BLOCK_N)
@@ -264,6 +272,8 @@ def _norm_bwd_chunked_kernel(
 ):
     """Long rows, step 2: program (chunk, group) writes dh for one column chunk of a group
     of rows and that chunk's weight/bias partials for the group."""
+    # Inductor passes a Python float as fp64 (eager Triton as fp32): float32 math either way
+    offset = tl.cast(offset, tl.float32)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     group = tl.program_id(1)
     col_mask = cols < n_cols

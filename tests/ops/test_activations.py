@@ -447,11 +447,13 @@ def test_torch_compile_fullgraph(device):
     # On the CPU the compiled graph holds the reference's math, which Inductor fuses and rounds its
     # own way: in float32 the gradients' sums (cancelling terms of order 100) then differ from
     # eager's by ~1e-5, past assert_close's float32 tolerance; float64 compares them exactly enough.
+    # On a GPU the graph launches the Triton kernels where eager takes the CUDA extension at this
+    # size, and Inductor sums the gradients its way: 1.8e-5 of terms of order 10 measured (H200).
     dtype = torch.float64 if device == "cpu" else torch.float32
     x = torch.randn(8, 16, device=device, dtype=dtype, requires_grad=True)
     w = torch.randn(16, 16, device=device, dtype=dtype, requires_grad=True)
     b = torch.randn(16, device=device, dtype=dtype, requires_grad=True)
-    assert_compiled_matches_eager(block, compiled, (x, w, b))
+    assert_compiled_matches_eager(block, compiled, (x, w, b), relative_floor=0.0 if device == "cpu" else 1e-5)
 
 
 def _every_op(x, bias, frozen_bias, gate, up, packed):
