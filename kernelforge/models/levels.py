@@ -12,7 +12,10 @@ and a sixth, the fastest way kernelforge knows to run the model:
     fastest      torch.compile of the model with kernelforge's kernels where they win (traced into the
                  graph: Inductor launches their Triton kernels and fuses around them) and torch's
                  elsewhere (FastestKernels says which, and the measurement behind each), captured in
-                 CUDA graphs (mode="reduce-overhead") on a GPU
+                 CUDA graphs (mode="reduce-overhead") on a GPU. As with any CUDA-graphed model, a
+                 call's outputs live in the graphs' memory until the next call reuses it: clone what
+                 you keep across calls (reading a reused output raises), and train with
+                 zero_grad(set_to_none=True)
 
 Every level runs the same modules with the same parameters. A model's components call the few
 functions that differ between levels through a kernel set (`TorchKernels` or
@@ -383,7 +386,11 @@ class LevelledModel(Component):
         if level == FASTEST:
             self.kernels.ops = FASTEST_KERNELS
             try:
-                return self._compiled(method, inputs, whole=True)(*inputs)
+                compiled = self._compiled(method, inputs, whole=True)
+                if any(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs):
+                    # each call a new step of the CUDA graphs: the last call's outputs may be reused
+                    torch.compiler.cudagraph_mark_step_begin()
+                return compiled(*inputs)
             finally:
                 self.kernels.ops = TORCH_KERNELS
         self.kernels.ops = TORCH_KERNELS

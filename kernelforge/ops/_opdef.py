@@ -59,6 +59,13 @@ _functorch_active = torch._C._are_functorch_transforms_active
 _grad_enabled = torch.is_grad_enabled
 
 
+def is_traced(t: torch.Tensor) -> bool:
+    """Whether `t` is a tracer's (FunctionalTensor, FakeTensor...), not a real tensor. A backward can
+    ask this where it would read torch.is_grad_enabled() as "create_graph=True": while AOTAutograd
+    traces a joint graph, grad mode is on whether or not anyone will differentiate the backward."""
+    return type(t) not in _PLAIN_TENSORS
+
+
 def no_view(t):
     """`t` as a tensor that is not a view, on the same memory (no copy: the memory is the op's
     own). What an autograd.Function returns must not be a view: autograd refuses in-place ops on
@@ -225,4 +232,4 @@ def define_op(schema: str, impl: Callable, fake: Callable, *, choose: Optional[C
     return Op(schema, impl, fake, choose=choose, setup_context=setup_context, backward=backward)
 
 
-__all__ = ["DEFINITIONS", "Op", "define_op", "no_view"]
+__all__ = ["DEFINITIONS", "Op", "define_op", "is_traced", "no_view"]

@@ -58,7 +58,7 @@ import torch
 from kernelforge import backends
 from kernelforge.ops import activations as activation_ops
 from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, require
-from kernelforge.ops._opdef import define_op
+from kernelforge.ops._opdef import define_op, is_traced
 from kernelforge.reference import gemm as reference
 from kernelforge.reference.activations import KINDS
 
@@ -387,10 +387,14 @@ def _gemm_backward(saved, options, needs, grad_out):
         compute = "bf16"
     need_a, need_b, need_bias, need_residual = needs
     grad_bias = None
-    if activation != "none" and grad_out.numel() > 0 and (preact.numel() == 0 or torch.is_grad_enabled()):
+    create_graph = torch.is_grad_enabled() and not is_traced(grad_out)
+    if activation != "none" and grad_out.numel() > 0 and (preact.numel() == 0 or create_graph):
         # Recompute a @ b: the op ran with save_preact=False (only a direct torch.ops call does
         # that), or this backward is itself differentiated (create_graph=True), where the saved
-        # preact, a detached intermediate, would drop the path through act'(a @ b + bias).
+        # preact, a detached intermediate, would drop the path through act'(a @ b + bias). Not while
+        # torch.compile traces the backward (grad mode is on there, and the saved preact is what eager
+        # uses): a compiled step would run the forward GEMM twice, and fp8's straight-through backward
+        # would take act' at a bf16 product instead of the forward's fp8 one.
         preact = _matmul(a, b, compute, grad_out.dtype)
     if activation == "none":
         dz = grad_out

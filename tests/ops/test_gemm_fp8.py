@@ -167,8 +167,10 @@ def test_opcheck_and_compile(backend, device):
         return kf.gemm(a, b, bias=bias, activation="silu", precision="fp8").float().square().sum()
 
     compiled = torch.compile(f, backend="aot_eager" if device == "cpu" else "inductor", fullgraph=True)
+    # On a GPU the compiled graph's bf16 products may come from another kernel route than eager's
+    # (another autotuned signature): a bf16 rounding apart, 5e-5 of the sum measured (H200).
     with kf.use_backend(backend):
-        assert_compiled_matches_eager(f, compiled, (a, b, bias))
+        assert_compiled_matches_eager(f, compiled, (a, b, bias), relative_floor=0.0 if device == "cpu" else 2 ** -8)
 
 
 @pytest.mark.gpu
