@@ -37,8 +37,16 @@ def normalize_dim(op: str, name: str, dim: int, ndim: int) -> int:
 def require(condition, message: Callable[[], str]) -> None:
     """torch._check(condition, message) without its cost when the condition is a plain True
     (every eager call): a symbolic condition under tracing still goes to torch._check,
-    which records it instead of guarding on it. Both raise RuntimeError."""
-    if condition is not True:
+    which records it instead of guarding on it. Both raise RuntimeError. Under Dynamo a
+    symbolic condition is checked without the message: Dynamo cannot turn a message closure
+    that formats sizes into a graph constant (the fake and eager calls keep it)."""
+    if condition is True:
+        return
+    if condition is False:
+        raise RuntimeError(message())
+    if torch.compiler.is_compiling():
+        torch._check(condition)
+    else:
         torch._check(condition, message)
 
 
