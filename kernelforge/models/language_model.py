@@ -7,8 +7,8 @@ embeddings) at the five levels, with KV-cache generation.
 
 Generation keeps each layer's keys and values in a static cache (B, H, rows, D), rows bucketed
 (kernelforge.models.decoding), and decodes one token a step in a CUDA graph on a GPU. The torch
-levels attend over the whole cache under a mask computed on the device; the kernelforge levels
-(and the fastest) attend over the filled rows only (flash_attention's cache_seqlens), where
+levels (and the fastest) attend over the whole cache under a mask computed on the device; the
+kernelforge levels attend over the filled rows only (flash_attention's cache_seqlens), where
 flash-decoding splits the keys across the GPU.
 """
 from __future__ import annotations

@@ -193,8 +193,7 @@ def test_torchscript_matches_native_and_retraces_rightly():
 @pytest.mark.parametrize("level", ["compile", "fastest"])
 def test_compiled_levels_match_native(level):
     """The torch.compile tests (Inductor's first CPU compile costs seconds): one layer, two calls of
-    the same shapes and other values, one compiled graph. The fastest level traces kernelforge's
-    gather_scatter into the graph (its reference's torch ops on the CPU)."""
+    the same shapes and other values, one compiled graph, at the compile and the fastest level."""
     model = randomized(GraphNeuralNetwork(5, hidden=8, num_classes=3, layers=1, aggregation="mean", pooling="sum",
                                           activation="silu"))
     x, edge_index, batch = make_graphs([2, 6], 5)
