@@ -355,15 +355,21 @@ class LevelledModel(Component):
 
     def _compiled(self, method: str, inputs: tuple, whole: bool = False):
         """The compiled method: torch.compile's defaults at the compile level; `whole` (the fastest
-        level, WHOLE_GRAPH_METHODS at the compile level) the whole method as one graph, captured in
-        CUDA graphs when it runs on a GPU."""
+        level, WHOLE_GRAPH_METHODS at the compile level) the whole method as one graph with static
+        shapes (the callers bucket them), captured in CUDA graphs when it runs on a GPU.
+
+        The bound method is compiled, not a wrapper module's forward: Dynamo keeps its compiled
+        graphs per code object, and one wrapper's forward shared by every model and method would
+        pile them all on one code object, where shapes seen before turn dynamic (a decode step then
+        compiled with dynamic shapes) and past the recompile limit run uncompiled."""
         compiled = self._wrapped.get(method)
         if compiled is None:
             options = {}
             if whole:
                 device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
-                options = {"fullgraph": True, **({"mode": "reduce-overhead"} if device.type == "cuda" else {})}
-            compiled = self._wrapped[method] = torch.compile(_Method(self, method), **options)
+                options = {"fullgraph": True, "dynamic": False,
+                           **({"mode": "reduce-overhead"} if device.type == "cuda" else {})}
+            compiled = self._wrapped[method] = torch.compile(getattr(self, method), **options)
         return compiled
 
     def __getstate__(self):
