@@ -52,3 +52,28 @@ def assert_inductor_launches(fn, args, kernels, backward: bool = False, **compil
         assert name in code, f"{name} is not launched by Inductor's code"
     assert "torch.ops.kernelforge" not in code, "a kernelforge op stayed opaque in the compiled graph"
     return out
+
+
+def aot_graphs(fn, inputs, grad_outputs=None, **compile_kwargs):
+    """fn(*inputs) compiled with fullgraph=True through AOTAutograd only (no Inductor: the graphs run
+    as traced; CPU Inductor compiles slowly), forward and backward, Dynamo reset first. Returns
+    (output, gradients of the inputs that require grad, the call targets of the forward and
+    backward graphs as strings)."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    def backend(gm, example_inputs):
+        return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep)
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend, fullgraph=True, **compile_kwargs)(*inputs)
+    grads = torch.autograd.grad(out, [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad],
+                                grad_outputs)
+    assert len(graphs) == 2, "expected a forward and a backward graph"
+    return out, grads, [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]

@@ -16,7 +16,7 @@ from kernelforge.reference import activations as reference
 from kernelforge.triton import interpreter_enabled
 from tests.conftest import HAS_CUDA, backend_cases, needs_cuda
 from tests.numerics import assert_compiled_matches_eager, assert_matches_oracle, same_layout
-from tests.op_paths import assert_inductor_launches
+from tests.op_paths import aot_graphs, assert_inductor_launches
 
 KINDS = reference.KINDS
 GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -471,28 +471,6 @@ def _every_op_inputs():
     return [leaf(6, 8), leaf(8), torch.randn(8), leaf(5, 7), leaf(5, 7), leaf(2, 3, 10)]
 
 
-def _compile_graph_targets(fn, inputs, **compile_kwargs):
-    """fn(*inputs) compiled with fullgraph=True through AOTAutograd only (no Inductor: the graphs run
-    as traced), forward and backward; returns (output, input gradients, the call targets of the
-    forward and backward graphs)."""
-    from functorch.compile import make_boxed_func
-    from torch._functorch.aot_autograd import aot_module_simplified
-
-    graphs = []
-
-    def keep(gm, _):
-        graphs.append(gm)
-        return make_boxed_func(gm.forward)
-
-    def backend(gm, example_inputs):
-        return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep)
-
-    torch._dynamo.reset()
-    out = torch.compile(fn, backend=backend, fullgraph=True, **compile_kwargs)(*inputs)
-    grads = torch.autograd.grad(out, [t for t in inputs if t.requires_grad])
-    return out, grads, [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
-
-
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 def test_compile_traces_every_op_into_the_reference(dynamic):
     # On the CPU the reference runs every op; it is torch ops, so torch.compile traces the ops'
@@ -501,7 +479,7 @@ def test_compile_traces_every_op_into_the_reference(dynamic):
     inputs = _every_op_inputs()
     expected = _every_op(*inputs)
     expected_grads = torch.autograd.grad(expected, [t for t in inputs if t.requires_grad])
-    out, grads, targets = _compile_graph_targets(_every_op, inputs, dynamic=dynamic)
+    out, grads, targets = aot_graphs(_every_op, inputs, dynamic=dynamic)
     assert not [t for t in targets if "kernelforge" in t]
     assert "aten.sigmoid.default" in targets and "aten.erf.default" in targets  # the reference's silu, geglu
     torch.testing.assert_close(out, expected)
@@ -517,7 +495,7 @@ def test_compile_keeps_an_opaque_backend_whole():
     with kf.use_backend("triton"):
         expected = _every_op(*inputs)
         expected_grads = torch.autograd.grad(expected, [t for t in inputs if t.requires_grad])
-        out, grads, targets = _compile_graph_targets(_every_op, inputs)
+        out, grads, targets = aot_graphs(_every_op, inputs)
     ours = {t.split(".")[1] for t in targets if t.startswith("kernelforge.")}
     assert ours == ACTIVATION_OPS | GATED_OPS
     torch.testing.assert_close(out, expected)

@@ -10,7 +10,7 @@ from kernelforge import backends
 from kernelforge.ops import gemm as gemm_ops
 from kernelforge.triton import interpreter_enabled
 from tests.conftest import backend_cases, needs_cuda
-from tests.op_paths import assert_eager_path_equals_registered_op, compiled_code
+from tests.op_paths import aot_graphs, assert_eager_path_equals_registered_op, compiled_code
 
 
 def test_eager_fast_path_equals_registered_op():
@@ -27,27 +27,6 @@ def test_eager_fast_path_equals_registered_op():
     assert_eager_path_equals_registered_op(public, gemm_ops.gemm_op, registered, x)
 
 
-def _compiled_graph_targets(fn, *args):
-    """The ops of the forward and backward graphs AOTAutograd hands the compiler for fn(*args)
-    (torch.compile(fullgraph=True)), and fn's compiled output."""
-    from functorch.compile import make_boxed_func
-    from torch._functorch.aot_autograd import aot_module_simplified
-
-    graphs = []
-
-    def keep(gm, _):
-        graphs.append(gm)
-        return make_boxed_func(gm.forward)
-
-    def backend(gm, inputs):
-        return aot_module_simplified(gm, inputs, fw_compiler=keep, bw_compiler=keep)
-
-    torch._dynamo.reset()
-    out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
-    out.backward()
-    return {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}, out
-
-
 def test_compile_traces_the_reference_and_keeps_triton_opaque():
     # The reference is torch ops: a CPU graph holds its matmuls, the backward's included, and no
     # kernelforge op. The Triton backend (autotuned, heuristics, host TMA descriptors, Gluon) is
@@ -61,13 +40,13 @@ def test_compile_traces_the_reference_and_keeps_triton_opaque():
     def f(a, b, bias):
         return kf.gemm(a, b, bias=bias, activation="silu").square().sum()
 
-    targets, out = _compiled_graph_targets(f, a, b, bias)
+    out, _, targets = aot_graphs(f, [a, b, bias])
     assert not any("kernelforge" in t for t in targets), sorted(targets)
     assert "aten.mm.default" in targets or "aten.bmm.default" in targets, sorted(targets)
     torch.testing.assert_close(out, f(a, b, bias))
     if interpreter_enabled():  # Triton on CPU tensors
         with kf.use_backend("triton"):
-            targets, _ = _compiled_graph_targets(f, a, b, bias)
+            targets = aot_graphs(f, [a, b, bias])[2]
         assert "kernelforge.gemm.default" in targets, sorted(targets)
 
 

@@ -7,7 +7,7 @@ import torch
 
 import kernelforge as kf
 from tests.conftest import needs_cuda
-from tests.op_paths import assert_inductor_launches
+from tests.op_paths import aot_graphs, assert_inductor_launches
 
 NAMES = ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm")
 
@@ -36,28 +36,6 @@ def test_triton_launch_config_reads_only_the_row_bucket():
                         == triton_norms.default_config(n_rows, n_cols, backward, rms))
 
 
-def _aot_compiled(fn, args, grad_outputs):
-    """fn compiled with fullgraph=True through AOTAutograd without Inductor (the traced graphs are
-    what matters here, and CPU Inductor compiles slowly): (outputs, gradients of args, the graphs'
-    call targets)."""
-    from functorch.compile import make_boxed_func
-    from torch._functorch.aot_autograd import aot_module_simplified
-
-    graphs = []
-
-    def keep(gm, _):
-        graphs.append(gm)
-        return make_boxed_func(gm.forward)
-
-    def backend(gm, inputs):
-        return aot_module_simplified(gm, inputs, fw_compiler=keep, bw_compiler=keep)
-
-    out = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*args)
-    grads = torch.autograd.grad(out, args, grad_outputs)
-    assert len(graphs) == 2, "expected a forward and a backward graph"
-    return out, grads, [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_compile_traces_into_the_reference(name):
     # On the CPU the norms run on the reference: torch.compile traces into its torch ops, forward
@@ -76,7 +54,7 @@ def test_compile_traces_into_the_reference(name):
     expected = fn(*eager_leaves)
     grad_outputs = tuple(torch.randn_like(o) for o in expected)
     expected_grads = torch.autograd.grad(expected, eager_leaves, grad_outputs)
-    got, grads, targets = _aot_compiled(fn, [t.clone().requires_grad_() for t in leaves], grad_outputs)
+    got, grads, targets = aot_graphs(fn, [t.clone().requires_grad_() for t in leaves], grad_outputs, dynamic=False)
     assert not any("kernelforge" in t for t in targets), targets
     assert "aten.rsqrt.default" in targets
     for a, e in zip(got + grads, expected + expected_grads):

@@ -8,6 +8,7 @@ import kernelforge as kf
 from kernelforge import backends
 from kernelforge.ops._opdef import DEFINITIONS, define_op
 from kernelforge.triton import interpreter_enabled
+from tests.op_paths import aot_graphs
 
 calls = {"impl": 0, "fake": 0}
 
@@ -88,29 +89,9 @@ def test_eager_outputs_are_not_views():
         y.add_(1)  # autograd allows in-place ops on it, as on torch's own outputs
 
 
-def _aot_graphs(fn, *args):
-    """The forward and backward graphs AOTAutograd hands to the compiler for fn(*args)."""
-    from functorch.compile import make_boxed_func
-    from torch._functorch.aot_autograd import aot_module_simplified
-
-    graphs = []
-
-    def keep(gm, _):
-        graphs.append(gm)
-        return make_boxed_func(gm.forward)
-
-    def backend(gm, inputs):
-        return aot_module_simplified(gm, inputs, fw_compiler=keep, bw_compiler=keep)
-
-    out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
-    out.backward()
-    return [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
-
-
 def test_compile_traces_into_a_traceable_backend():
     # the reference is torch ops: the compiled graph holds them, not the kernelforge op
-    torch._dynamo.reset()
-    targets = _aot_graphs(lambda x: kf.softmax(x * 2, -1).sum(), torch.randn(4, 8, requires_grad=True))
+    targets = aot_graphs(lambda x: kf.softmax(x * 2, -1).sum(), [torch.randn(4, 8, requires_grad=True)])[2]
     assert not any("kernelforge" in t for t in targets) and "aten.amax.default" in targets
 
 
@@ -118,12 +99,11 @@ def test_compile_traces_into_a_traceable_backend():
 def test_compile_keeps_an_opaque_backend_whole_and_guards_on_the_forced_backend():
     # Triton's interpreter cannot enter a graph: the op stays one custom op there. Forcing it after a
     # graph was compiled on the reference recompiles (Dynamo guards on the setting).
-    torch._dynamo.reset()
     x = torch.randn(4, 8, requires_grad=True)
     fn = lambda t: kf.softmax(t * 2, -1).sum()  # noqa: E731
-    assert not any("kernelforge" in t for t in _aot_graphs(fn, x))
+    assert not any("kernelforge" in t for t in aot_graphs(fn, [x])[2])
     with kf.use_backend("triton"):
-        targets = _aot_graphs(fn, x)
+        targets = aot_graphs(fn, [x])[2]
     assert "kernelforge.softmax.default" in targets and "kernelforge.softmax_backward.default" in targets
 
 
