@@ -157,6 +157,20 @@ def _reference_outputs(work: Workload, dtype: torch.dtype):
     return first(work.model.to(_oracle_dtype(dtype)), cast), first(work.model.to(dtype), work.inputs)
 
 
+def _first_call(call: Callable, device: torch.device):
+    """(call's output, its seconds, the backends it ran on): the first call at a level, tracing,
+    compiling and capturing included; the device's peak memory counts from here."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    with backends.recording() as ran:
+        out = call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out, time.perf_counter() - start, ran
+
+
 def run_workload(work: Workload, levels, device: torch.device, dtype: torch.dtype, repeat: int) -> list[Row]:
     if work.decode_tokens:
         return run_decode_workload(work, levels, device, dtype, repeat)
@@ -171,15 +185,7 @@ def run_workload(work: Workload, levels, device: torch.device, dtype: torch.dtyp
             continue
         model = copy.deepcopy(work.model).set_level(level)
         call = _runner(work, model)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        start = time.perf_counter()
-        with backends.recording() as ran:
-            out = call()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        first_s = time.perf_counter() - start
+        out, first_s, ran = _first_call(call, device)
         err = (out.double() - expected).abs().max().item()
         timing = time_function(call, device, warmup=2, repeat=repeat, back_to_back=True, calls_per_sample=1)
         peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else math.nan
@@ -231,15 +237,7 @@ def run_decode_workload(work: Workload, levels, device: torch.device, dtype: tor
             continue
         model.set_level(level)
         generate = lambda: model.generate(prompt, new, temperature=0)  # noqa: E731
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        start = time.perf_counter()
-        with backends.recording() as ran:
-            generate()  # compiles, captures
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        first_s = time.perf_counter() - start
+        _, first_s, ran = _first_call(generate, device)  # compiles, captures
         decoder = model.decoder(batch, total, prompt.dtype, device)
         times = [time_function(fn, device, warmup=1, repeat=repeat, back_to_back=True, calls_per_sample=1).median_ms
                  for fn in (generate, lambda: sample(decoder.prefill(prompt), 0, None, None))]
