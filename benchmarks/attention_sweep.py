@@ -1,5 +1,5 @@
 """Tile sweep of the Triton flash-attention kernels on one GPU, next to SDPA's FlashAttention-2
-and cuDNN backends, at TARGETS.md's attention shapes (B*S = 16384 tokens, 16 heads).
+and cuDNN backends, at the attention target shapes (B*S = 16384 tokens, 16 heads).
 
     python3 benchmarks/attention_sweep.py --out DIR [--dims 128 64] [--quick]
 
@@ -25,7 +25,7 @@ from triton.testing import do_bench
 from kernelforge.reference.attention import Visibility
 from kernelforge.triton import attention as tri
 
-# (B, S, causal, window left): the last is TARGETS.md's causal sliding window of 512
+# (B, S, causal, window left): the last is the causal sliding window of 512 of the targets
 SHAPES = [(16, 1024, False, None), (4, 4096, False, None), (4, 4096, True, None), (2, 8192, False, None),
           (2, 8192, True, None), (2, 8192, True, 512)]
 FORWARD = [tri.TileConfig(m, n, w, s) for (m, n, w, s) in
