@@ -1,5 +1,5 @@
 """Experiment: the Gluon band forward (kernelforge/triton/attention_gluon.py) against the
-Triton forward and FlexAttention on the causal sliding window of TARGETS.md (S = 8192,
+Triton forward and FlexAttention on the causal sliding window of the attention targets (S = 8192,
 16 heads, bf16, B * S = 16384), at ring depths 2 and 3, head dims 128 and 64; forward +
 backward (the backward is the Triton one either way); and a causal window as long as the
 sequence, to see whether the Gluon kernel would also pay on dense causal rows.

@@ -1,4 +1,4 @@
-"""The accuracy rule of the test suite (DESIGN.md, "Numerics and tests").
+"""The accuracy rule of the test suite (the float64 oracle, 2x PyTorch's own error plus a floor).
 
 A kernel passes when its max error against a float64 oracle is at most twice the error
 of PyTorch's own implementation at the same dtype on the same inputs, plus a floor of a

@@ -48,7 +48,7 @@ def _attention_cost(pairs_per_head: float, batch: int, heads: int, seq: int, hea
                     direction: str) -> Cost:
     """Self-attention: q, k, v read and o written once forward; fwd+bwd adds dO read and
     dq, dk, dv written. Two matmuls (QK^T, PV) of 2*D flops per visible (query, key) pair
-    forward, and the backward counted as 2.5x the forward (TARGETS.md's 3.5x in all)."""
+    forward, and the backward counted as 2.5x the forward (3.5x in all, as FlashAttention's benchmarks count it)."""
     tensors = 4 if direction == "fwd" else 8
     flops = 4 * batch * heads * pairs_per_head * head_dim * (1 if direction == "fwd" else 3.5)
     return Cost(tensors * batch * heads * seq * head_dim * dtype.itemsize, int(flops), _precision(dtype))
@@ -134,7 +134,7 @@ def _window_block_mask(seq: int, window: int, device: torch.device) -> kf.BlockM
 
 
 def _window_cost(shape, dtype: torch.dtype, direction: str) -> Cost:
-    # pairs counted as TARGETS.md does (S * (window + 1): the band, the first `window`
+    # pairs counted as FlexAttention's benchmarks do (S * (window + 1): the band, the first `window`
     # queries' shorter rows not subtracted; 0.03% at S=8192, window 512)
     B, H, S, D, window = shape
     return _attention_cost(S * (window + 1), B, H, S, D, dtype, direction)
@@ -238,7 +238,7 @@ def attention_suites() -> dict:
     from kernelforge.bench.suites import Suite  # (suites.py calls this once Suite is defined)
 
     return {
-        # (B, H, S, D, causal): TARGETS.md's B*S = 16384 tokens, 16 heads, head dims 128 and 64
+        # (B, H, S, D, causal): the target shapes: B*S = 16384 tokens, 16 heads, head dims 128 and 64
         "attention": Suite(
             op="attention",
             shapes=[(B, 16, S, D, causal) for D in (128, 64) for B, S, causal in (

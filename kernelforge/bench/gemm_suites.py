@@ -1,6 +1,6 @@
 """GEMM suites: the plain product against cuBLAS (torch.matmul) and torch.compile, and the
 fused bias + GELU(tanh) epilogue against eager linear + gelu and its torch.compile, at
-TARGETS.md's squares and the LLM projection shapes (M tokens against N, K of 4096 / 14336);
+the target squares and the LLM projection shapes (M tokens against N, K of 4096 / 14336);
 tf32 (float32 operands) against cuBLAS's tf32; fp8 (e4m3 operands, per-row or per-tensor
 scales, bf16 out) against torch._scaled_mm.
 

@@ -1,7 +1,7 @@
 """Benchmark suites: for each op, its shapes, inputs, cost and the implementations to race.
 
 Adding an op to `kernelforge bench` means adding one `Suite` here: the shape grid (the
-large shapes of shared/TARGETS.md, latency shapes where per-call overhead dominates, and
+large target shapes, latency shapes where per-call overhead dominates, and
 small CPU shapes), how to make inputs, what one call must move and compute (`Cost`), and
 the baselines (PyTorch eager, torch.compile, peers when importable). The attention suites
 are in kernelforge.bench.attention_suites, the GEMM suites in kernelforge.bench.gemm_suites, the
@@ -88,7 +88,7 @@ def _norm_inputs(shape: Shape, dtype: torch.dtype, device: torch.device, bias: b
 
 
 def _norm_cost(shape: Shape, dtype: torch.dtype, direction: str) -> Cost:
-    # forward reads x and writes y; backward reads dy and x and writes dx (TARGETS.md's
+    # forward reads x and writes y; backward reads dy and x and writes dx (the norms' fwd+bwd
     # ~5*M*N*E); the weight/bias reads and their gradients are O(N), negligible.
     return Cost((2 if direction == "fwd" else 5) * torch.Size(shape).numel() * dtype.itemsize)
 
@@ -216,7 +216,7 @@ def _cross_entropy_suite() -> Suite:
                  kernelforge=lambda x, t: kf.cross_entropy(x, t), baselines=_baselines(eager))
 
 
-# Norms and activations: TARGETS.md's large shapes, then the latency shapes.
+# Norms and activations: the large target shapes, then the latency shapes.
 ROW_OP_SHAPES = [(16384, 4096), (8192, 16384), (4096, 65536), (1, 4096), (8, 4096), (32, 4096)]
 QUICK_SHAPES = [(256, 4096), (8, 4096)]
 LIGER = {"liger": "liger_kernel"}

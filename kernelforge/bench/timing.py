@@ -1,4 +1,4 @@
-"""Timing a function the way DESIGN.md's performance method says.
+"""Timing a function by the project's performance method (README, Performance).
 
 On a GPU: CUDA events after warm-up, every run preceded by an L2 flush (a write over a
 buffer larger than L2) so no run is served from the previous run's cache; the median and

