@@ -43,7 +43,7 @@ from kernelforge.triton import interpreter_enabled
 from kernelforge.triton._launch import (cdiv, device_capability, gluon_module, launch, next_power_of_2, on_device,
                                         sm_count)
 from kernelforge.triton.gemm_kernels import gemm_kernel, gemm_tma_kernel, round_tf32_kernel
-from kernelforge.triton.tma_descriptors import descriptor_template, rebased
+from kernelforge.triton.tma_descriptors import descriptor_template, rebased, tma_layouts
 
 # The kernels above were made interpreted or compiled when they were defined: read once, not per call
 _INTERPRETER = interpreter_enabled()
@@ -53,7 +53,6 @@ USE_GLUON: Optional[bool] = None  # the Gluon kernel for one matrix: None its ru
 SPLIT_K: Optional[int] = None  # slices of K a TMA-kernel tile is split into: None the autotuner's pick
 _TMA_MIN_ROWS = 65  # at 16 rows the pointer kernel's 16-row tiles win (benchmarks/gemm_sweep.py)
 _PRECISION = {"fp32": "ieee", "tf32": "tf32", "fp16": "tf32", "bf16": "tf32", "fp8": "tf32"}  # not fp32: ignored
-_FP8 = torch.float8_e4m3fn
 _COMPUTE_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}  # 16-bit operands the tensor cores take as they are
 _OPERAND_BITS = {"fp8": 8, "fp16": 16, "bf16": 16, "fp32": 32, "tf32": 32}
 
@@ -205,52 +204,10 @@ def _tma_kernels(operand_bits: int):
 
 
 # ----------------------------------------------------------------------------- TMA descriptors
-def _tma_layout(t: torch.Tensor, unit_dim: int) -> Optional[tuple]:
-    """(shape, strides) of a TMA descriptor of t (2-D) with its unit-stride dim last, or None
-    when TMA cannot read it that way (that stride is not 1, rows are not a multiple of 16 bytes
-    apart, the start is not 16-byte aligned, an extent is 0)."""
-    view = t if unit_dim == 1 else t.t()
-    rows, cols = view.shape
-    if rows == 0 or cols == 0 or view.data_ptr() % 16:
-        return None
-    if view.stride(1) != 1 and cols > 1:
-        return None
-    # A stride over an extent of 1 is never followed: any aligned value describes the view.
-    row_stride = view.stride(0) if rows > 1 else -(-cols // 8) * 8
-    if row_stride * view.element_size() % 16:
-        return None
-    return (rows, cols), (row_stride, 1)
-
-
-def _tma_layouts(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, compute: str):
-    """(layouts of a, b and out, the operands' memory orders) for gemm_tma_kernel, or None when
-    it cannot take them: a batch, operands not in the compute dtype, or a layout TMA cannot
-    read."""
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": _FP8, "tf32": torch.float32}.get(compute)
-    if a.shape[0] != 1 or b.shape[0] != 1 or not a.dtype == b.dtype == dtype:
-        return None
-    found = {}
-    for name, t, natural in (("a", a[0], "A_K_CONTIGUOUS"), ("b", b[0], "B_N_CONTIGUOUS")):
-        # e4m3 and tf32: K-major only (_k_major / _tf32_copy made them so), the order their
-        # tensor-core instruction reads
-        unit_dims = ((1,) if name == "a" else (0,)) if compute in ("fp8", "tf32") else (1, 0)
-        for unit_dim in unit_dims:
-            layout = _tma_layout(t, unit_dim)
-            if layout is not None:
-                found[name], found[natural] = layout, unit_dim == 1
-                break
-        else:
-            return None
-    out_layout = _tma_layout(out[0], 1)
-    if out_layout is None:
-        return None
-    return (found["a"], found["b"], out_layout), {k: found[k] for k in ("A_K_CONTIGUOUS", "B_N_CONTIGUOUS")}
-
-
 def _tma_operands(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, compute: str):
     """(descriptors of a, b and out, whose block shapes a config sets, and the operands' memory
-    orders) for gemm_tma_kernel, or None (_tma_layouts); benchmarks/gemm_sweep.py launches it so."""
-    found = _tma_layouts(a, b, out, compute)
+    orders) for gemm_tma_kernel, or None (tma_descriptors.tma_layouts); benchmarks/gemm_sweep.py launches it so."""
+    found = tma_layouts(a, b, out, compute)
     if found is None:
         return None
     layouts, orders = found
@@ -439,7 +396,7 @@ def _route(a, b, out, bias, residual, preact, scale_a, scale_b, activation, comp
     scale_strides = (*scale_a.stride(), *scale_b.stride()) if scaled else (0, 0, 0, 0)
     dtypes = (a.dtype, b.dtype, out.dtype, None if bias is None else bias.dtype,
               None if residual is None else residual.dtype)
-    tma = _tma_layouts(a, b, out, compute) if _take_tma(a, compute) else None
+    tma = tma_layouts(a, b, out, compute) if _take_tma(a, compute) else None
     if tma is not None:
         return _TmaLaunch(a, b, out, *tma, residual, preact, compute, epilogue, sms, dtypes, scale_strides)
     return _PointerLaunch(a, b, out, residual, preact, compute, epilogue, sms, dtypes, scale_strides)

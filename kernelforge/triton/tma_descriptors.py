@@ -1,4 +1,5 @@
-"""Host-side TMA descriptors (Triton's and Gluon's TensorDescriptor) made once per call signature.
+"""Host-side TMA descriptors (Triton's and Gluon's TensorDescriptor): the layouts TMA can read, and
+descriptors made once per call signature.
 
 A descriptor is a base tensor, a shape, strides, a block shape (and, for Gluon, a shared-memory
 layout); its constructor checks the base's alignment, the strides and the block shape: 8.4 us a
@@ -14,6 +15,8 @@ C launcher) encodes the CUtensorMap from base.data_ptr(), shape, strides and the
 shape on every launch either way.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -38,3 +41,45 @@ def rebased(template, base: torch.Tensor):
 
 
 __all__ = ["descriptor_template", "rebased"]
+
+
+def tma_layout(t: torch.Tensor, unit_dim: int) -> Optional[tuple]:
+    """(shape, strides) of a TMA descriptor of t (2-D) with its unit-stride dim last, or None
+    when TMA cannot read it that way (that stride is not 1, rows are not a multiple of 16 bytes
+    apart, the start is not 16-byte aligned, an extent is 0)."""
+    view = t if unit_dim == 1 else t.t()
+    rows, cols = view.shape
+    if rows == 0 or cols == 0 or view.data_ptr() % 16:
+        return None
+    if view.stride(1) != 1 and cols > 1:
+        return None
+    # A stride over an extent of 1 is never followed: any aligned value describes the view.
+    row_stride = view.stride(0) if rows > 1 else -(-cols // 8) * 8
+    if row_stride * view.element_size() % 16:
+        return None
+    return (rows, cols), (row_stride, 1)
+
+
+def tma_layouts(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, compute: str):
+    """(layouts of a, b and out, the operands' memory orders) for kernelforge.triton.gemm's TMA kernel, or None when
+    it cannot take them: a batch, operands not in the compute dtype, or a layout TMA cannot
+    read."""
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "tf32": torch.float32}.get(compute)
+    if a.shape[0] != 1 or b.shape[0] != 1 or not a.dtype == b.dtype == dtype:
+        return None
+    found = {}
+    for name, t, natural in (("a", a[0], "A_K_CONTIGUOUS"), ("b", b[0], "B_N_CONTIGUOUS")):
+        # e4m3 and tf32: K-major only (the GEMM launcher makes them so), the order their
+        # tensor-core instruction reads
+        unit_dims = ((1,) if name == "a" else (0,)) if compute in ("fp8", "tf32") else (1, 0)
+        for unit_dim in unit_dims:
+            layout = tma_layout(t, unit_dim)
+            if layout is not None:
+                found[name], found[natural] = layout, unit_dim == 1
+                break
+        else:
+            return None
+    out_layout = tma_layout(out[0], 1)
+    if out_layout is None:
+        return None
+    return (found["a"], found["b"], out_layout), {k: found[k] for k in ("A_K_CONTIGUOUS", "B_N_CONTIGUOUS")}
