@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import importlib
 import os
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterator, Optional, Sequence
+
+from kernelforge import _eager_plans
 
 BACKENDS = ("triton", "cuda", "reference")
 ENV_VAR = "KERNELFORGE_BACKEND"
@@ -89,6 +92,7 @@ _registry: dict[str, dict[str, Implementation]] = {}
 _preferences: dict[str, PreferenceRule] = {}
 _choice_keys: dict[str, ChoiceKey] = {}
 _choices: dict[tuple, Choice] = {}
+_generation = [0]  # forget_choices() calls (plan_key)
 # The backend forced by use_backend(). Process-wide on purpose (like torch.backends flags):
 # autograd runs backward ops on its own threads, and a forced backend must govern them
 # too; a thread- or context-local setting would silently not.
@@ -136,8 +140,35 @@ def set_preference(op: str, rule: PreferenceRule, choice_key: Optional[ChoiceKey
 
 def forget_choices() -> None:
     """Drop cached choices: called when what a predicate sees changes (a registration, an
-    extension that failed to build)."""
+    extension that failed to build). The ops' eager plans (kernelforge._eager_plans), which hold
+    the choices their recordings made, are dropped with them: plan_key() changes."""
     _choices.clear()
+    _generation[0] += 1
+
+
+def plan_key() -> tuple:
+    """What of the selection an op's eager plan depends on: the forced backend (use_backend, then
+    KERNELFORGE_BACKEND), the preferred one, and how often choices were forgotten."""
+    return _forced[0], _environment_value(), _preferred[0], _generation[0]
+
+
+def _environment_reader() -> Callable[[], Optional[str]]:
+    """KERNELFORGE_BACKEND's current value, read on every call. os.environ.get costs ~0.7 us (a
+    Mapping method, the key encoded, the value decoded), a tenth of a replayed call; CPython's
+    os.environ keeps its encoded items in a dict that assignments and putenv through os.environ
+    update, and a lookup there costs ~0.05 us (raw: a value or None is all plan_key needs)."""
+    data, encode = getattr(os.environ, "_data", None), getattr(os.environ, "encodekey", None)
+    if not isinstance(data, dict) or encode is None:
+        return lambda: os.environ.get(ENV_VAR)
+    return functools.partial(data.get, encode(ENV_VAR))
+
+
+_environment_value = _environment_reader()
+
+
+def counting() -> bool:
+    """Whether a recording() block is open: its calls must select (and be counted), not replay."""
+    return bool(_recorders)
 
 
 def implementations(op: str) -> dict[str, Implementation]:
@@ -241,6 +272,10 @@ def select(op: str, *inputs, **options) -> Choice:
             choice = _choices[key] = _select(op, forced, preferred, inputs, options, traced)
     for counter in _recorders:
         counter[(op, choice.backend)] += 1
+    if choice.backend == "cuda":
+        plan_recording = _eager_plans.recording()
+        if plan_recording is not None:  # an extension's launches are invisible to an eager plan's recording
+            plan_recording.fail(f"{op} runs on the CUDA extension")
     return choice
 
 

@@ -28,6 +28,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from kernelforge._eager_plans import recording
 from kernelforge.cuda.extensions import (
     AOT_DIR, AOT_PACKAGE, CSRC, Extension, aot_mismatch, aot_record, arch_list, compile_flags, debug_requested,
     discover, read_aot_record, source_digest, visible_capabilities,
@@ -153,7 +154,11 @@ class CUDACompiler:
         """The module of a named extension (see EXTENSIONS), built on first use.
 
         This is on every kernel call's path, so after the first call it is one dict lookup
-        (sources are hashed once per process; edit them and restart to rebuild)."""
+        (sources are hashed once per process; edit them and restart to rebuild). An eager plan's
+        recording (kernelforge._eager_plans) learns of it: an extension's launches cannot be replayed."""
+        plan_recording = recording()
+        if plan_recording is not None:
+            plan_recording.fail(f"it calls the CUDA extension {extension!r}")
         module = self._by_extension.get(extension)
         if module is not None:
             return module

@@ -48,7 +48,7 @@ from typing import Callable, Optional
 
 import torch
 
-from kernelforge import backends
+from kernelforge import _eager_plans, backends
 
 # Tensors the eager path takes as they are: nn.Parameter adds no torch_function behavior.
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -102,7 +102,8 @@ class Op:
     """A kernelforge operator defined once; see the module docstring."""
 
     def __init__(self, schema: str, impl: Callable, fake: Callable, *, choose: Optional[Callable] = None,
-                 setup_context: Optional[Callable] = None, backward: Optional[Callable] = None):
+                 setup_context: Optional[Callable] = None, backward: Optional[Callable] = None,
+                 state: Optional[Callable[[], object]] = None):
         qualname, _, signature = schema.partition("(")
         namespace, _, self.name = qualname.partition("::")
         if namespace != "kernelforge" or not self.name:
@@ -110,6 +111,9 @@ class Op:
         self.schema = "(" + signature
         self.impl, self.fake, self.choose = impl, fake, choose
         self.setup_context, self.backward = setup_context, backward
+        self._plans: dict = {}  # signature -> Plan | NoPlan (kernelforge._eager_plans)
+        if state is not None:
+            _eager_plans.add_state(state)
         self.registered = torch.library.custom_op(f"kernelforge::{self.name}", lambda *a: _no_views(impl(*a)),
                                                   mutates_args=(), schema=self.schema)
         self.registered.register_fake(fake)
@@ -138,10 +142,38 @@ class Op:
         if _grad_enabled() and self._any_requires_grad(args):
             outputs = self._function.apply(*args)
             return list(outputs) if self._returns_list else outputs
-        return _no_views(self.impl(*args))
+        return self._eager(args)
+
+    def _eager(self, args):
+        """impl(*args) with no views among its outputs; from the third call at a signature on, its
+        eager plan replayed where it has one (kernelforge._eager_plans)."""
+        if _eager_plans.recording_anywhere() or backends.counting():  # inside a recording: recorded into it
+            return _no_views(self.impl(*args))
+        tensors = []
+        key = _eager_plans.signature(args, (backends.plan_key(), _eager_plans.state()), tensors)
+        plans = self._plans
+        plan = plans.get(key)
+        if plan is None:  # the first call: it may compile, autotune, build; the next is recorded
+            if len(plans) >= _eager_plans.MAX_PLANS:
+                plans.clear()
+            plans[key] = _eager_plans.SEEN_ONCE
+            return _no_views(self.impl(*args))
+        if plan is _eager_plans.SEEN_ONCE:
+            outputs, plans[key] = _eager_plans.record(lambda *a: _no_views(self.impl(*a)), args, tensors)
+            return outputs
+        if type(plan) is _eager_plans.NoPlan:
+            return _no_views(self.impl(*args))
+        return plan.run(tensors)
+
+    def plan(self, *args) -> "Optional[_eager_plans.Plan | _eager_plans.NoPlan]":
+        """The eager plan calls with these arguments replay (a Plan), why they have none (a NoPlan),
+        or None before their first call."""
+        return self._plans.get(_eager_plans.signature(args, (backends.plan_key(), _eager_plans.state()), []))
 
     def _plain_eager(self, args) -> bool:
-        if _is_compiling() or _dispatch_modes() or _function_mode() or _functorch_active():
+        # an eager plan's recording is a dispatch mode: ops inside it run as plain eager calls
+        if _is_compiling() or _function_mode() or _functorch_active() or (
+                _dispatch_modes() and _eager_plans.recording() is None):
             return False
         for i in self._tensors:
             t = args[i]
@@ -172,7 +204,7 @@ class Op:
         op, tensor_lists = self, self._tensor_lists
 
         def forward(ctx, *args):
-            outputs = _no_views(op.impl(*args))
+            outputs = op._eager(args)
             if op._returns_list:
                 outputs = tuple(outputs)
             if op.setup_context is not None:
@@ -218,7 +250,8 @@ def _traced_types() -> tuple:
 
 
 def define_op(schema: str, impl: Callable, fake: Callable, *, choose: Optional[Callable] = None,
-              setup_context: Optional[Callable] = None, backward: Optional[Callable] = None) -> Op:
+              setup_context: Optional[Callable] = None, backward: Optional[Callable] = None,
+              state: Optional[Callable[[], object]] = None) -> Op:
     """Register kernelforge::<name> from one definition and return its lean call (module docstring).
 
     schema: "kernelforge::name(args) -> returns" (torch's schema language).
@@ -228,8 +261,11 @@ def define_op(schema: str, impl: Callable, fake: Callable, *, choose: Optional[C
         every backend of the op is traceable.
     setup_context(ctx, inputs, output) and backward(ctx, *grads): the gradient, as
         torch.library.register_autograd takes them; without backward, asking for a gradient raises.
+    state(): global state impl reads besides the backend selection (a precision policy, a torch
+        flag): part of every eager plan's signature, so a plan recorded under one value is not
+        replayed under another.
     """
-    return Op(schema, impl, fake, choose=choose, setup_context=setup_context, backward=backward)
+    return Op(schema, impl, fake, choose=choose, setup_context=setup_context, backward=backward, state=state)
 
 
 __all__ = ["DEFINITIONS", "Op", "define_op", "is_traced", "no_view"]

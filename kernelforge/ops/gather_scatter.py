@@ -182,13 +182,13 @@ gather_scatter_op = define_op(
     "kernelforge::gather_scatter(Tensor x, Tensor src, Tensor dst, int num_nodes, str reduce) -> Tensor",
     impl=_forward, fake=_fake(_check_forward),
     choose=lambda x, src, dst, num_nodes, reduce: _choose(x),
-    setup_context=_save, backward=_forward_gradient)
+    setup_context=_save, backward=_forward_gradient, state=torch.are_deterministic_algorithms_enabled)
 gather_scatter_backward_op = define_op(
     "kernelforge::gather_scatter_backward(Tensor grad_output, Tensor src, Tensor dst, int num_rows, str reduce) "
     "-> Tensor",
     impl=_backward, fake=_fake(_check_backward),
     choose=lambda grad_output, src, dst, num_rows, reduce: _choose(grad_output),
-    setup_context=_save, backward=_backward_gradient)
+    setup_context=_save, backward=_backward_gradient, state=torch.are_deterministic_algorithms_enabled)
 
 
 def gather_scatter(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, num_nodes: int,

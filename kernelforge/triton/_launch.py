@@ -7,6 +7,8 @@ import functools
 
 import torch
 
+from kernelforge._eager_plans import recording
+
 
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) of host integers, as triton.cdiv computes it. Triton 3.6 makes triton.cdiv
@@ -179,9 +181,10 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         wrap_triton(kernel)[grid](*args, **kwargs)
         return
     jit_function, runtime = _triton_runtime()
+    recorder = recording()  # an eager plan being recorded (kernelforge._eager_plans) is told of the launch
     # Gluon kernels are a JITFunction subclass with the same compiled launcher
     if not isinstance(kernel, jit_function) or runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls:
-        kernel[grid](*args, **kwargs)
+        _through_triton(recorder, kernel, grid, args, kwargs)
         return
     # the tensors' device is current (on_device): the tensor says which it is, at a fraction of the cost
     device = first.get_device() if first is not None else torch.cuda.current_device()
@@ -189,7 +192,7 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         by_value = _key(kernel, device, args, kwargs)
         entry = _BY_VALUE.get(by_value)
     except (_NotDirect, TypeError):  # TypeError: an unhashable keyword value
-        kernel[grid](*args, **kwargs)
+        _through_triton(recorder, kernel, grid, args, kwargs)
         return
     if entry is None:
         key = (kernel, device, by_value[2], tuple(map(_spec, args)))
@@ -198,19 +201,38 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
             if any(p.is_constexpr for p in kernel.params[:len(args)]):
                 raise TypeError(f"launch({kernel.fn.__name__}): pass constexpr parameters by keyword (a positional "
                                 "one would be keyed by its specialization, not its value)")
-            compiled = kernel[grid](*args, **kwargs)
+            if recorder is None:
+                compiled = kernel[grid](*args, **kwargs)
+            else:
+                with recorder.unwatched():
+                    compiled = kernel[grid](*args, **kwargs)
             if hasattr(compiled, "result"):  # Triton's asynchronous compile mode
                 compiled = compiled.result()
             tail = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in kernel.params[len(args):])
-            _COMPILED[key] = (_direct_launcher(compiled.run), compiled.function, compiled.packed_metadata, tail)
+            entry = _COMPILED[key] = (_direct_launcher(compiled.run), compiled.function, compiled.packed_metadata,
+                                      tail)
+            if recorder is not None:
+                recorder.direct_launch(entry, device, grid, args, kwargs)
             return
         if len(_BY_VALUE) >= _MAX_BY_VALUE:
             _BY_VALUE.clear()
         _BY_VALUE[by_value] = entry
+    if recorder is not None:
+        recorder.direct_launch(entry, device, grid, args, kwargs)
     run, function, metadata, tail = entry
     grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
     run(grid_x, grid_y, grid_z, torch._C._cuda_getCurrentRawStream(device), function, metadata, None, None, None,
         *args, *tail)
+
+
+def _through_triton(recorder, kernel, grid, args: tuple, kwargs: dict) -> None:
+    """kernel[grid](*args, **kwargs), Triton's own launch path, told to an eager plan's recording."""
+    if recorder is None:
+        kernel[grid](*args, **kwargs)
+        return
+    recorder.triton_launch(kernel, grid, args, kwargs)
+    with recorder.unwatched():  # the torch ops Triton runs inside (the interpreter's copies) are its own
+        kernel[grid](*args, **kwargs)
 
 
 def _direct_launcher(run):
