@@ -48,10 +48,11 @@ def norm_forward_rows(x2d, residual2d, weight, bias, eps: float, rms: bool, offs
     return y, residual_out, mean, rstd
 
 
-def norm_backward_rows(grad_y2d, grad_residual2d, h2d, weight, bias_present: bool, mean, rstd, rms: bool,
-                       offset: float, need_weight_grad: bool):
-    """(grad_h2d, grad_weight or None (weight's dtype), grad_bias or None (float32))."""
+def norm_backward_rows(grad_y2d, grad_residual2d, h2d, weight, bias_dtype: Optional[torch.dtype], mean, rstd,
+                       rms: bool, offset: float, need_weight_grad: bool):
+    """(grad_h2d, grad_weight or None (weight's dtype), grad_bias or None (bias_dtype; the kernel sums
+    in float32))."""
     grad_h, grad_weight, grad_bias = _extension().backward(
-        grad_y2d, grad_residual2d, h2d, weight, bool(bias_present), mean, rstd, bool(rms), float(offset),
+        grad_y2d, grad_residual2d, h2d, weight, bias_dtype is not None, mean, rstd, bool(rms), float(offset),
         bool(need_weight_grad))
-    return grad_h, grad_weight, grad_bias
+    return grad_h, grad_weight, None if grad_bias is None else grad_bias.to(bias_dtype)

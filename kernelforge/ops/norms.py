@@ -65,39 +65,35 @@ def _why_not_reference(x: torch.Tensor, weight=None, bias=None, **direction):
     return None
 
 
-# Forward: below this many elements a call is bound by host time, and the CUDA extension
-# launches in ~14 us against Triton's ~50 us (H100 host, launcher with its allocations); from
-# it up Triton's forward kernels are ~3x faster (96 against 279 us at 16384x4096 bf16).
-SMALL_INPUT_ELEMENTS = 1 << 20
-# Backward: up to this row length the CUDA kernels keep rows in registers and take the same
-# device time as Triton's (16384x4096 bf16: layer norm 207 against 216 us, RMS 182 against
-# 186 us) with one cheap launch instead of two Triton launches (kernel, partial sums); longer
-# rows are faster on Triton (8192x16384: 532 against 555 us, RMS 376 against 544 us).
+# Triton's kernels take less device time than the CUDA extension's at every size measured on an H200
+# (bf16, 16x4096 to 2048x4096 and 8192x768): forward 0.14-0.58x, forward+backward 0.50-0.73x, and
+# with its eager plan a call costs less host time too. Only large backward passes over rows of up
+# to this many columns once measured the other way (H100, 16384x4096: CUDA's layer norm 207 against
+# 216 us, RMS 182 against 186): there the CUDA kernels stay first.
 CUDA_BACKWARD_MAX_COLS = 8192
+CUDA_BACKWARD_MIN_ELEMENTS = 1 << 25
+
+
+def _cuda_backward(x: torch.Tensor, n: int) -> bool:
+    return n <= CUDA_BACKWARD_MAX_COLS and x.numel() >= CUDA_BACKWARD_MIN_ELEMENTS
 
 
 def _preference(x: torch.Tensor, weight=None, bias=None, n: int = 0, backward: bool = False):
     if x.device.type != "cuda":
         return ("reference",), "the reference is the CPU implementation"
-    if backward:
-        if n <= CUDA_BACKWARD_MAX_COLS:
-            return ("cuda", "triton", "reference"), (
-                f"backward over rows of <= {CUDA_BACKWARD_MAX_COLS} elements: the CUDA kernels match Triton's "
-                "device time with one ~10 us launch against two of ~50 us (H100)")
-        return ("triton", "cuda", "reference"), (
-            f"backward over rows of > {CUDA_BACKWARD_MAX_COLS} elements: Triton's kernels are faster (H100)")
-    if x.numel() < SMALL_INPUT_ELEMENTS:
+    if backward and _cuda_backward(x, n):
         return ("cuda", "triton", "reference"), (
-            f"under {SMALL_INPUT_ELEMENTS} elements host time dominates and the CUDA extension launches "
-            "in ~14 us against Triton's ~50 us (H100)")
+            f"backward over >= {CUDA_BACKWARD_MIN_ELEMENTS} elements in rows of <= {CUDA_BACKWARD_MAX_COLS}: the "
+            "CUDA kernels measured 2-4% faster (H100, 16384x4096)")
     return ("triton", "cuda", "reference"), (
-        f"from {SMALL_INPUT_ELEMENTS} elements up Triton's forward kernels are ~3x faster (H100)")
+        "Triton's kernels take less device time than the CUDA extension's at every size measured below "
+        f"{CUDA_BACKWARD_MIN_ELEMENTS} elements (H200: forward 0.14-0.58x, forward+backward 0.50-0.73x) and, "
+        "with its eager plan, less host time a call")
 
 
 def _choice_key(x: torch.Tensor, weight=None, bias=None, n: int = 0, backward: bool = False):
     dtype = lambda t: None if t is None else t.dtype  # noqa: E731
-    size = n <= CUDA_BACKWARD_MAX_COLS if backward else x.numel() < SMALL_INPUT_ELEMENTS
-    return x.device.type, x.dtype, dtype(weight), dtype(bias), backward, size
+    return x.device.type, x.dtype, dtype(weight), dtype(bias), backward and _cuda_backward(x, n)
 
 
 backends.register(OP, "triton", "kernelforge.triton.norms", _why_not_triton)
@@ -253,13 +249,13 @@ def _backward(op: str, grad_y, grad_residual, h, normalized_shape, weight, bias,
     n = _check_backward(op, grad_y, grad_residual, h, normalized_shape, weight, bias, stats)
     k = len(normalized_shape)
     dh, dw, db = _choose(h, weight, bias, n, backward=True).implementation.launchers().norm_backward_rows(
-        _rows(grad_y, k), _rows(grad_residual, k), _rows(h, k), _flat(weight), bias is not None,
+        _rows(grad_y, k), _rows(grad_residual, k), _rows(h, k), _flat(weight), None if bias is None else bias.dtype,
         _flat(mean), _flat(rstd), mean is None, offset, weight_grads)
     grads = [_shaped(dh, h.shape)]
     if dw is not None:
         grads.append(_shaped(dw, weight.shape))
     if db is not None:
-        grads.append(_shaped(db.to(bias.dtype), bias.shape))
+        grads.append(_shaped(db, bias.shape))
     return grads
 
 
@@ -294,8 +290,9 @@ def _double_backward(ctx, grad_grads):
     with torch.enable_grad():
         inputs = [t.detach().requires_grad_() if t is not None else None
                   for t in (grad_y, grad_residual, h, weight)]
-        outputs = differentiable_backward(*inputs, ctx.normalized_shape, bias is not None, ctx.eps, ctx.rms,
-                                          ctx.offset, ctx.weight_grads)
+        bias_dtype = None if bias is None else bias.dtype
+        outputs = differentiable_backward(*inputs, ctx.normalized_shape, bias_dtype, ctx.eps, ctx.rms, ctx.offset,
+                                          ctx.weight_grads)
         outputs = [o for o in outputs if o is not None]  # aligned with the op's output list
         pairs = [(o, g) for o, g in zip(outputs, grad_grads) if g is not None]
         wrt = [t for t in inputs if t is not None]

@@ -59,9 +59,10 @@ def norm_forward_rows(x2d, residual2d, weight, bias, eps: float, rms: bool, offs
     return y.to(x2d.dtype).contiguous(), residual_out, mean, rstd.to(stats_dtype).contiguous()
 
 
-def norm_backward_rows(grad_y2d, grad_residual2d, h2d, weight, bias_present: bool, mean, rstd,
+def norm_backward_rows(grad_y2d, grad_residual2d, h2d, weight, bias_dtype: Optional[torch.dtype], mean, rstd,
                        rms: bool, offset: float, need_weight_grad: bool):
-    """(grad_h, grad_weight or None, grad_bias or None); see the module docstring."""
+    """(grad_h, grad_weight or None, grad_bias or None); see the module docstring. bias_dtype: the
+    bias's dtype, None without a bias."""
     acc = _accumulation_dtype(h2d.dtype)
     dy = grad_y2d.to(acc)
     mean = None if mean is None else mean.to(acc)
@@ -78,13 +79,13 @@ def norm_backward_rows(grad_y2d, grad_residual2d, h2d, weight, bias_present: boo
     grad_weight = grad_bias = None
     if need_weight_grad and weight is not None:
         grad_weight = (dy * xhat).sum(0).to(weight.dtype)
-    if need_weight_grad and bias_present:
-        grad_bias = dy.sum(0)  # cast to the bias dtype by the caller, which knows it
+    if need_weight_grad and bias_dtype is not None:
+        grad_bias = dy.sum(0).to(bias_dtype)
     return dh.to(h2d.dtype).contiguous(), grad_weight, grad_bias
 
 
-def differentiable_backward(grad_y, grad_residual, h, weight, normalized_shape, bias_present: bool, eps: float,
-                            rms: bool, offset: float, weight_grads: bool):
+def differentiable_backward(grad_y, grad_residual, h, weight, normalized_shape, bias_dtype: Optional[torch.dtype],
+                            eps: float, rms: bool, offset: float, weight_grads: bool):
     """norm_backward_rows on whole tensors, with the statistics recomputed from h in
     differentiable ops: autograd through it gives the backward's own gradient."""
     n = math.prod(normalized_shape)
@@ -92,7 +93,7 @@ def differentiable_backward(grad_y, grad_residual, h, weight, normalized_shape, 
     h2d = flat(h)
     mean, rstd = norm_statistics(h2d, eps, rms)
     dh, dw, db = norm_backward_rows(flat(grad_y), flat(grad_residual), h2d,
-                                    None if weight is None else weight.reshape(n), bias_present, mean, rstd,
+                                    None if weight is None else weight.reshape(n), bias_dtype, mean, rstd,
                                     rms, offset, weight_grads)
     shaped = lambda t: None if t is None else t.reshape(normalized_shape)  # noqa: E731
     return dh.view(h.shape), shaped(dw), shaped(db)

@@ -11,8 +11,8 @@ Per element, with s the storage size (4 fp32, 2 fp16/bf16) and fp32 math:
   _act_fwd_kernel   y = act(x + b)                   reads s, writes s        -> 2s bytes
                     (+ b: one BLOCK_N slice of bias per tile, shared by BLOCK_M rows)
   _act_bwd_kernel   dx = dy * act'(x + b)            reads 2s, writes s       -> 3s bytes
-                    bias grad: + 4 bytes per column per program (fp32 partials), then one
-                    torch sum over the (programs, n) partials: no atomics, deterministic.
+                    bias grad: + 4 bytes per column per program (fp32 partials), then
+                    partial_sums.sum_partials over them: no atomics, deterministic.
   _glu_fwd_kernel   y = act(gate) * up               reads 2s, writes s       -> 3s bytes
   _glu_bwd_kernel   dgate = dy * up * act'(gate), dup = dy * act(gate)
                                                      reads 3s, writes 2s      -> 5s bytes
@@ -60,6 +60,7 @@ from triton.language.extra import libdevice
 
 from kernelforge.triton import interpreter_enabled
 from kernelforge.triton._launch import cdiv, launch, next_power_of_2, on_device, sm_count
+from kernelforge.triton.partial_sums import sum_partials
 
 SQRT1_2 = tl.constexpr(0.7071067811865476)
 INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
@@ -363,8 +364,13 @@ def act_backward_rows(
             KIND=kind, HAS_BIAS=bias is not None, BIAS_GRAD=bias_grad, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, PRECISE=not interpreter_enabled(), num_warps=cfg.num_warps,
         )
-    # Second stage: a plain reduction over the program axis (deterministic: fixed order).
-    return dx, (partial.sum(0).to(bias.dtype) if bias_grad else None)
+    if not bias_grad:
+        return dx, None
+    # Second stage: the reduction over the program axis (deterministic: fixed order).
+    grad_bias = torch.empty(n_cols, dtype=bias.dtype, device=x2d.device)
+    with on_device(x2d):
+        sum_partials(partial, grad_bias)
+    return dx, grad_bias
 
 
 def glu_forward_rows(

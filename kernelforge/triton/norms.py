@@ -19,7 +19,7 @@ Backward (dh = rstd * (g - mean(g) - xhat * mean(g*xhat)), g = dy * w; RMS drops
   fused (n <= FUSED_MAX_COLS_BACKWARD): a persistent grid of about 4 programs per SM, each
       walking a contiguous range of row tiles; it reads dy and h once, writes dh, and keeps
       the weight/bias gradient partials of its rows in registers, stored once as a
-      (programs, n) float32 buffer that _sum_partials_kernel sums in a fixed order (no atomics).
+      (programs, n) float32 buffer that partial_sums.sum_partials sums in a fixed order (no atomics).
       Bytes: 2*R*n*E read + R*n*E written + 2 * programs*n*4 for the partials.
   chunked (longer rows): a row-dots kernel reads dy and h to get mean(g) and mean(g*xhat)
       per row; then a 2-D grid of (column chunk, row group) programs re-reads dy and h,
@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from kernelforge.triton._launch import cdiv, launch, next_power_of_2, on_device, sm_count, warps_for
+from kernelforge.triton.partial_sums import sum_partials
 
 # Longest row one program holds in registers: as for softmax, 32768 float32 values over 32
 # warps; backward holds dy and h, so half.
@@ -55,7 +56,6 @@ CHUNK_COLS = 8192  # chunk of the long-row forward and row-dots kernels
 CHUNK_WARPS = 16
 BACKWARD_TILE = (4, 1024)  # rows x columns of the long-row backward's 2-D grid programs
 PROGRAMS_PER_SM = 4  # persistent backward grids: enough programs in flight to hide latency
-PARTIALS_BLOCK = (32, 64)  # partial rows x columns a program of _sum_partials_kernel loads at once
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -297,33 +297,6 @@ def _norm_bwd_chunked_kernel(
                           BIAS_GRAD)
 
 
-@triton.jit
-def _sum_partials_kernel(
-    dw_part_ptr, db_part_ptr, dw_ptr, db_ptr, n_partials, n_cols,
-    WEIGHT_GRAD: tl.constexpr, BIAS_GRAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """Column sums of the (n_partials, n) float32 partial buffers, in a fixed order (so
-    deterministic), stored in dw's and db's dtypes. A program owns BLOCK_N columns and walks
-    all partial rows. Bytes: 4 * n_partials * n read per buffer, n * E written. (torch's
-    sum(0) over these narrow, tall buffers ran at ~0.3 TB/s: 32 us a buffer at 528 x 4096.)"""
-    cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < n_cols
-    dw_acc = tl.zeros((BLOCK_P, BLOCK_N), tl.float32)
-    db_acc = tl.zeros((BLOCK_P, BLOCK_N), tl.float32)
-    for start in range(0, n_partials, BLOCK_P):
-        parts = start + tl.arange(0, BLOCK_P)
-        mask = (parts < n_partials)[:, None] & col_mask[None, :]
-        offsets = parts.to(tl.int64)[:, None] * n_cols + cols[None, :]
-        if WEIGHT_GRAD:
-            dw_acc += tl.load(dw_part_ptr + offsets, mask=mask, other=0.0)
-        if BIAS_GRAD:
-            db_acc += tl.load(db_part_ptr + offsets, mask=mask, other=0.0)
-    if WEIGHT_GRAD:
-        tl.store(dw_ptr + cols, tl.sum(dw_acc, axis=0).to(dw_ptr.dtype.element_ty), mask=col_mask)
-    if BIAS_GRAD:
-        tl.store(db_ptr + cols, tl.sum(db_acc, axis=0).to(db_ptr.dtype.element_ty), mask=col_mask)
-
-
 # ----------------------------------------------------------------------------- launch configs
 @dataclass(frozen=True)
 class NormConfig:
@@ -406,21 +379,21 @@ def norm_forward_rows(x2d, residual2d, weight, bias, eps: float, rms: bool, offs
     return y, residual_out, mean, rstd
 
 
-def norm_backward_rows(grad_y2d, grad_residual2d, h2d, weight, bias_present: bool, mean, rstd,
+def norm_backward_rows(grad_y2d, grad_residual2d, h2d, weight, bias_dtype: Optional[torch.dtype], mean, rstd,
                        rms: bool, offset: float, need_weight_grad: bool, config: Optional[NormConfig] = None):
     """(grad_h, grad_weight or None, grad_bias or None); the launcher contract of
     kernelforge.reference.norms. Weight and bias gradients: per-program float32 partials
-    summed by _sum_partials_kernel (deterministic: no atomics anywhere)."""
+    summed by partial_sums.sum_partials (deterministic: no atomics anywhere)."""
     n_rows, n_cols = h2d.shape
     if n_rows == 0 or n_cols == 0:
         from kernelforge.reference.norms import norm_backward_rows as reference
 
-        return reference(grad_y2d, grad_residual2d, h2d, weight, bias_present, mean, rstd, rms, offset,
+        return reference(grad_y2d, grad_residual2d, h2d, weight, bias_dtype, mean, rstd, rms, offset,
                          need_weight_grad)
     device = h2d.device
     dh = torch.empty((n_rows, n_cols), dtype=h2d.dtype, device=device)
     weight_grad = need_weight_grad and weight is not None
-    bias_grad = need_weight_grad and bias_present
+    bias_grad = need_weight_grad and bias_dtype is not None
     cfg = config or default_config(*_config_sizes(n_rows, n_cols), backward=True, rms=rms)
     target_programs = PROGRAMS_PER_SM * sm_count(device)
     if cfg.fused:
@@ -458,12 +431,9 @@ def norm_backward_rows(grad_y2d, grad_residual2d, h2d, weight, bias_present: boo
                 *loads, dots, _or(grad_residual2d, dh), dh, dw_part, db_part, n_rows, n_cols, *strides,
                 dres_row_stride, offset, rows_per_group, **flags)
     grad_weight = torch.empty(n_cols, dtype=weight.dtype, device=device) if weight_grad else None
-    grad_bias = torch.empty(n_cols, dtype=torch.float32, device=device) if bias_grad else None
-    if weight_grad or bias_grad:
+    grad_bias = torch.empty(n_cols, dtype=bias_dtype, device=device) if bias_grad else None
+    wanted = [(part, out) for part, out in ((dw_part, grad_weight), (db_part, grad_bias)) if out is not None]
+    if wanted:
         with on_device(h2d):
-            launch(
-                _sum_partials_kernel, (cdiv(n_cols, PARTIALS_BLOCK[1]),),
-                dw_part, db_part, _or(grad_weight, grad_bias), _or(grad_bias, grad_weight), programs, n_cols,
-                WEIGHT_GRAD=weight_grad, BIAS_GRAD=bias_grad, BLOCK_P=PARTIALS_BLOCK[0],
-                BLOCK_N=PARTIALS_BLOCK[1], num_warps=4)
+            sum_partials(*wanted[0], *(wanted[1] if len(wanted) > 1 else ()))
     return dh, grad_weight, grad_bias

@@ -86,15 +86,15 @@ def test_norm_rows_match_reference(cols, dtype, rms):
         h = got[1] if residual else x
         gy = _rows(rows, cols, dtype, layout)
         gres = _rows(rows, cols, dtype, "dense") if residual else None
-        g = norms.norm_backward_rows(gy, gres, h, w, bias, got[2], got[3], rms, offset, True)
-        e = ref.norm_backward_rows(gy, gres, h, w, bias, got[2], got[3], rms, offset, True)
+        g = norms.norm_backward_rows(gy, gres, h, w, torch.float32 if bias else None, got[2], got[3], rms, offset, True)
+        e = ref.norm_backward_rows(gy, gres, h, w, torch.float32 if bias else None, got[2], got[3], rms, offset, True)
         _close(g[0], e[0], dtype, "grad_h " + what)
         if w is not None:
             assert g[1].dtype == w.dtype
             torch.testing.assert_close(g[1].float(), e[1].float(), rtol=1e-2, atol=1e-2 * rows ** 0.5)
         if bias:
             torch.testing.assert_close(g[2].float(), e[2].float(), rtol=1e-3, atol=1e-3 * rows ** 0.5)
-        again = norms.norm_backward_rows(gy, gres, h, w, bias, got[2], got[3], rms, offset, True)
+        again = norms.norm_backward_rows(gy, gres, h, w, torch.float32 if bias else None, got[2], got[3], rms, offset, True)
         for a, c in zip(g, again):
             assert a is None or torch.equal(a, c), "the backward must be bitwise deterministic"
 
@@ -115,8 +115,8 @@ def test_norm_rows_long_and_many():
         want = ref.norm_forward_rows(x, None, w, b, 1e-5, False, 0.0)
         _close(got[0], want[0], dtype, f"y {rows}x{cols}")
         gy = torch.randn_like(x)
-        g = norms.norm_backward_rows(gy, None, x, w, True, got[2], got[3], False, 0.0, True)
-        e = ref.norm_backward_rows(gy, None, x, w, True, got[2], got[3], False, 0.0, True)
+        g = norms.norm_backward_rows(gy, None, x, w, torch.float32, got[2], got[3], False, 0.0, True)
+        e = ref.norm_backward_rows(gy, None, x, w, torch.float32, got[2], got[3], False, 0.0, True)
         _close(g[0], e[0], dtype, f"grad_h {rows}x{cols}")
         torch.testing.assert_close(g[1], e[1], rtol=1e-2, atol=1e-2 * rows ** 0.5)
         torch.testing.assert_close(g[2], e[2], rtol=1e-3, atol=1e-3 * rows ** 0.5)
@@ -131,7 +131,7 @@ def test_norm_rows_empty():
     w = torch.randn(16, device="cuda")
     y, _, mean, rstd = norms.norm_forward_rows(x, None, w, None, 1e-5, False, 0.0)
     assert y.shape == (0, 16) and mean.shape == (0,) and rstd.shape == (0,)
-    gh, gw, gb = norms.norm_backward_rows(x, None, x, w, True, mean, rstd, False, 0.0, True)
+    gh, gw, gb = norms.norm_backward_rows(x, None, x, w, torch.float32, mean, rstd, False, 0.0, True)
     assert gh.shape == (0, 16) and torch.equal(gw, torch.zeros_like(w)) and torch.equal(gb, torch.zeros(16, device="cuda"))
 
 
