@@ -11,6 +11,8 @@
 #   gemm-overhead  benchmarks/gemm_overhead.py (host cost per kf.gemm call, and its profile)
 #   host     benchmarks/host_overhead.py $HOST_ARGS (host time per call of every op against torch eager,
 #            and where it goes; after build, so forced CUDA rows do not build extensions), JSON into results/
+#   backend-order  benchmarks/backend_order.py (device time of the CUDA extension against Triton where
+#            an op has both: the measurement behind the ordering rules), JSON into results/
 #   profile  benchmarks/profile_ops.py $PROFILE_ARGS (device time per kernel, host profile per call)
 #   aot      KERNELFORGE_BUILD_CUDA=1 pip install into /tmp/kfsite; doctor and CUDA op tests against it;
 #            AOT_INTO_TREE=1 also copies the built libraries into this tree's kernelforge/cuda/_aot/
@@ -75,6 +77,9 @@ for stage in $stages; do
     host)
       timeout 300 python3 benchmarks/host_overhead.py --out "$R" ${HOST_ARGS:-} > "$R/host.log" 2>&1
       status=$(( status | $? )); sed -n '1,/^$/p' "$R/host.log" | head -n 60; tail -n 2 "$R/host.log" ;;
+    backend-order)
+      timeout 300 python3 benchmarks/backend_order.py --out "$R" > "$R/backend-order.log" 2>&1
+      status=$(( status | $? )); awk '$NF + 0 > 1.0' "$R/backend-order.log" | head -n 30; tail -n 1 "$R/backend-order.log" ;;
     harness)
       timeout "${BENCH_TIMEOUT:-540}" python3 -m kernelforge.cli bench ${BENCH_OPS:-all} --dtype "${BENCH_DTYPE:-bf16}" \
         --crosscheck --out "$R" > "$R/harness.log" 2>&1

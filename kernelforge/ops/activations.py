@@ -48,7 +48,7 @@ _ACT_NAMES = {"gelu": "gelu", "gelu_tanh": "gelu", "silu": "silu", "relu": "relu
 
 
 # ----------------------------------------------------------------------------- dispatch
-def _why_not_triton(x: torch.Tensor, bias: Optional[torch.Tensor] = None, kind: str = "gelu"):
+def _why_not_triton(x: torch.Tensor, bias: Optional[torch.Tensor] = None, kind: str = "gelu", backward: bool = False):
     from kernelforge.triton import why_unavailable
 
     for name, t in (("x", x), ("bias", bias)):
@@ -57,7 +57,7 @@ def _why_not_triton(x: torch.Tensor, bias: Optional[torch.Tensor] = None, kind: 
     return why_unavailable(x.device)
 
 
-def _why_not_cuda(x: torch.Tensor, bias: Optional[torch.Tensor] = None, kind: str = "gelu"):
+def _why_not_cuda(x: torch.Tensor, bias: Optional[torch.Tensor] = None, kind: str = "gelu", backward: bool = False):
     from kernelforge.cuda import why_unavailable
 
     if x.device.type != "cuda":
@@ -74,27 +74,31 @@ def _why_not_reference(*inputs, **options):
     return None
 
 
-# Below this many elements a call is bound by host time: the CUDA extension's launcher takes
-# ~9 us against Triton's ~50 us (H100 host); from it up the two run at the same speed
-# forward and Triton's backward is faster (150 against 192 us at 16384x4096 bf16).
-SMALL_INPUT_ELEMENTS = 1 << 20
+# Measured on an H200 (bf16, device time, 16x4096 to 2048x4096 and 8192x768): Triton's backward
+# kernels take less device time than the CUDA extension's at every size (0.70-0.97x with the
+# forward), and so does its forward below this many elements (0.76-0.97x); from it up the CUDA
+# forward of gelu is 1-9% faster (bias + gelu at 8192x768: 23%). With its eager plan a Triton call
+# also costs less host time than the extension's.
+CUDA_FORWARD_MIN_ELEMENTS = 1 << 20
 
 
-def _preference(x: torch.Tensor, *inputs, **options):
+def _preference(x: torch.Tensor, *inputs, backward: bool = False, **options):
     """Fastest-first backend order for these inputs."""
     if x.device.type != "cuda":
         return ("reference",), "the reference is the CPU implementation"
-    if x.numel() < SMALL_INPUT_ELEMENTS:
+    if not backward and x.numel() >= CUDA_FORWARD_MIN_ELEMENTS:
         return ("cuda", "triton", "reference"), (
-            f"under {SMALL_INPUT_ELEMENTS} elements host time dominates and the CUDA extension launches in ~9 us "
-            "against Triton's ~50 us (H100); CUDA covers gelu and gelu_tanh, Triton the rest")
+            f"forward from {CUDA_FORWARD_MIN_ELEMENTS} elements up the CUDA gelu kernels take 1-23% less device time "
+            "(H200); CUDA covers gelu and gelu_tanh, Triton the rest")
     return ("triton", "cuda", "reference"), (
-        f"from {SMALL_INPUT_ELEMENTS} elements up Triton is as fast forward and faster backward (H100)")
+        "Triton's kernels take less device time (H200: backward at every size, forward below "
+        f"{CUDA_FORWARD_MIN_ELEMENTS} elements) and, with their eager plans, less host time a call")
 
 
-def _choice_key(x: torch.Tensor, bias: Optional[torch.Tensor] = None, kind: str = "gelu"):
+def _choice_key(x: torch.Tensor, bias: Optional[torch.Tensor] = None, kind: str = "gelu", backward: bool = False):
     # everything _preference and the _why_not_* predicates look at
-    return x.device.type, x.dtype, None if bias is None else bias.dtype, kind, x.numel() < SMALL_INPUT_ELEMENTS
+    return (x.device.type, x.dtype, None if bias is None else bias.dtype, kind,
+            not backward and x.numel() >= CUDA_FORWARD_MIN_ELEMENTS)
 
 
 backends.register(OP, "triton", "kernelforge.triton.activations", _why_not_triton)
@@ -103,8 +107,8 @@ backends.register(OP, "reference", "kernelforge.reference.activations", _why_not
 backends.set_preference(OP, _preference, _choice_key)
 
 
-def _choose(x: torch.Tensor, bias: Optional[torch.Tensor], kind: str) -> backends.Choice:
-    return backends.select(OP, x, bias=bias, kind=kind)
+def _choose(x: torch.Tensor, bias: Optional[torch.Tensor], kind: str, backward: bool = False) -> backends.Choice:
+    return backends.select(OP, x, bias=bias, kind=kind, backward=backward)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -177,7 +181,7 @@ def _activation_backward(
     if x.numel() == 0:
         grad_bias = torch.zeros_like(bias, memory_format=torch.contiguous_format) if need_bias_grad else None
         return empty_rows_output(x, dim), grad_bias
-    launchers = _choose(x, bias, kind).implementation.launchers()
+    launchers = _choose(x, bias, kind, backward=True).implementation.launchers()
     bias = None if bias is None else bias.contiguous()
     grad2d, grad_bias = launchers.act_backward_rows(rows_view(grad_output, dim), rows_view(x, dim), bias, kind, need_bias_grad)
     return from_rows(grad2d, x, dim), grad_bias
@@ -246,14 +250,14 @@ activation_backward_op = define_op(
     "kernelforge::activation_backward(Tensor grad_output, Tensor x, Tensor? bias, str kind) -> Tensor",
     impl=lambda grad_output, x, bias, kind: _activation_backward(grad_output, x, bias, kind, False)[0],
     fake=_fake_activation_backward,
-    choose=lambda grad_output, x, bias, kind: _choose(x, bias, kind),
+    choose=lambda grad_output, x, bias, kind: _choose(x, bias, kind, backward=True),
     setup_context=save_inputs_and_kind, backward=_activation_double_backward)
 
 bias_activation_backward_op = define_op(
     "kernelforge::bias_activation_backward(Tensor grad_output, Tensor x, Tensor bias, str kind) -> (Tensor, Tensor)",
     impl=lambda grad_output, x, bias, kind: _activation_backward(grad_output, x, bias, kind, True),
     fake=_fake_bias_activation_backward,
-    choose=lambda grad_output, x, bias, kind: _choose(x, bias, kind),
+    choose=lambda grad_output, x, bias, kind: _choose(x, bias, kind, backward=True),
     setup_context=save_inputs_and_kind, backward=_activation_double_backward)
 
 activation_op = define_op(
