@@ -38,8 +38,9 @@ rebuilt on this call's memory. With several GPUs a replay makes its launches' de
 """
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -68,7 +69,26 @@ _state_readers: list[Callable[[], object]] = []
 # one of this thread.
 _active = [0]
 _active_lock = threading.Lock()
+_enabled = [True]  # disabled() turns replays off
 _local = threading.local()
+
+
+def enabled() -> bool:
+    """Whether ops replay their plans (not inside disabled(), not while any thread records)."""
+    return _enabled[0] and not _active[0]
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Inside the block every op call runs its implementation (nothing is recorded or replayed):
+    for code that watches or swaps an implementation's Python (a test's spy, a profiler's
+    wrapper), which a replay does not run. Process-wide, like kernelforge.use_backend."""
+    previous = _enabled[0]
+    _enabled[0] = False
+    try:
+        yield
+    finally:
+        _enabled[0] = previous
 
 
 def add_state(reader: Callable[[], object]) -> None:
@@ -90,11 +110,6 @@ def state() -> tuple:
 def recording():
     """The recording in progress on this thread, or None."""
     return getattr(_local, "recording", None) if _active[0] else None
-
-
-def recording_anywhere() -> bool:
-    """Whether a recording is in progress on any thread (ops called then run without plans)."""
-    return _active[0] > 0
 
 
 def signature(args, global_state, tensors: list) -> tuple:
@@ -432,5 +447,5 @@ def record(impl: Callable, args: tuple, inputs: list):
     return outputs, rec.plan(outputs)
 
 
-__all__ = ["MAX_PLANS", "NoPlan", "Plan", "SEEN_ONCE", "add_state", "record", "remove_state", "recording", "recording_anywhere",
-           "signature", "state"]
+__all__ = ["MAX_PLANS", "NoPlan", "Plan", "SEEN_ONCE", "add_state", "disabled", "enabled", "record", "recording",
+           "remove_state", "signature", "state"]

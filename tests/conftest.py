@@ -41,3 +41,22 @@ def fresh_seed(request):
     torch.manual_seed(seed)
     print(f"seed={seed}")
     return seed
+
+
+@pytest.fixture(autouse=True)
+def fresh_eager_plans():
+    """No test replays an eager plan an earlier test recorded (kernelforge._eager_plans): a test
+    that swaps an implementation's Python (a monkeypatched knob or launcher) must see it run."""
+    from kernelforge import backends
+
+    backends.forget_choices()
+
+
+@pytest.fixture
+def no_eager_plans():
+    """Every op call in the test runs its implementation's Python: for tests that count or spy on
+    launcher calls, which a replayed call does not make."""
+    from kernelforge import _eager_plans
+
+    with _eager_plans.disabled():
+        yield

@@ -208,6 +208,17 @@ def test_no_replay_while_backends_record_choices(device):
     assert counts[("softmax", "triton")] == 2 and replays["count"] == 1
 
 
+def test_nothing_replays_while_disabled(device):
+    x, y = _fresh(device)
+    with _eager_plans.disabled():
+        for _ in range(4):
+            torch.testing.assert_close(SCALED(x, y, 2.0), 2 * x)
+    assert replays["count"] == 0 and SCALED.plan(x, y, 2.0) is None  # nothing recorded either
+    for _ in range(3):
+        SCALED(x, y, 2.0)
+    assert replays["count"] == 1
+
+
 def test_plans_are_dropped_past_the_limit(monkeypatch, device):
     monkeypatch.setattr(_eager_plans, "MAX_PLANS", 2)
     x, y = _fresh(device)
@@ -256,3 +267,19 @@ def test_every_family_replays_forward_and_backward(name, device):
         for leaf, ref_leaf in zip(leaves, ref_leaves):
             torch.testing.assert_close(leaf.grad.double(), ref_leaf.grad, atol=1e-4, rtol=1e-4)
     assert replays["count"] >= 2  # calls 3 and 4 forward at least (backward too where it is Triton only)
+
+
+def test_every_triton_launch_goes_through_launch():
+    """A kernel launched as kernel[grid](...) anywhere but kernelforge/triton/_launch.py would be
+    invisible to an eager plan's recording, and a replay of that call would skip it."""
+    import ast
+    from pathlib import Path
+
+    offenders = []
+    for path in sorted((Path(kf.__file__).parent / "triton").glob("*.py")):
+        if path.name == "_launch.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert not offenders, f"kernels launched around kernelforge.triton._launch.launch: {offenders}"

@@ -147,7 +147,7 @@ class Op:
     def _eager(self, args):
         """impl(*args) with no views among its outputs; from the third call at a signature on, its
         eager plan replayed where it has one (kernelforge._eager_plans)."""
-        if _eager_plans.recording_anywhere() or backends.counting():  # inside a recording: recorded into it
+        if not _eager_plans.enabled() or backends.counting():  # inside a recording: recorded into it
             return _no_views(self.impl(*args))
         tensors = []
         key = _eager_plans.signature(args, (backends.plan_key(), _eager_plans.state()), tensors)

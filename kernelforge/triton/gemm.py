@@ -311,7 +311,7 @@ class _PointerLaunch:
             kernel, grid, launch_kwargs = chosen
             launch(kernel, grid, *tensors, *self.ints, **launch_kwargs)
             return
-        self.tuner[self._grid](*tensors, *self.ints, **self.kwargs)
+        launch(self.tuner, self._grid, *tensors, *self.ints, **self.kwargs)  # through launch: an eager plan sees it
         config = self.tuner.best_config
         launch_kwargs = {**self.kwargs, "EVEN_K": self.ints[2] % config.kwargs["BLOCK_K"] == 0, **config.all_kwargs()}
         _CHOSEN[self.signature] = (config.kwargs, gemm_kernel, launch_kwargs)
@@ -370,7 +370,7 @@ class _TmaLaunch:
             return
         # the tuner's pre-hook sets each config's block shapes on these
         descriptors = (TensorDescriptor(base, *layout, [16, 16]) for base, layout in zip((a, b, out), self.layouts))
-        self.tuner[self._grid](*descriptors, *tail, **self.kwargs)
+        launch(self.tuner, self._grid, *descriptors, *tail, **self.kwargs)
         config = self.tuner.best_config
         launch_kwargs = {**self.kwargs, **config.all_kwargs()}
         _CHOSEN[self.signature] = (config.kwargs, gemm_tma_kernel, launch_kwargs)

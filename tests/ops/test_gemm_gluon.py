@@ -25,6 +25,9 @@ ON_HOPPER = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
 needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU (wgmma)")
 SM90_SHARED_BYTES = 227 * 1024  # the most one block may opt into on an H100 / H200
 
+# these tests spy on or swap the launchers' Python, which a replayed eager plan does not run
+pytestmark = pytest.mark.usefixtures("no_eager_plans")
+
 
 @pytest.fixture
 def gluon_calls(monkeypatch):

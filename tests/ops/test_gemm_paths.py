@@ -12,6 +12,9 @@ from kernelforge.triton import interpreter_enabled
 from tests.conftest import backend_cases, needs_cuda
 from tests.op_paths import aot_graphs, assert_eager_path_equals_registered_op, compiled_code
 
+# these tests spy on or swap the launchers' Python, which a replayed eager plan does not run
+pytestmark = pytest.mark.usefixtures("no_eager_plans")
+
 
 def test_eager_fast_path_equals_registered_op():
     # In plain eager mode kf.gemm skips the dispatcher (the op's generated autograd.Function when a
