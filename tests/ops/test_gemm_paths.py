@@ -80,9 +80,10 @@ def test_compiled_gemm_stays_the_opaque_op_and_matches_eager():
 @pytest.mark.parametrize("backend,device", backend_cases(("triton",)))
 @pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointers"])
 def test_launcher_plans_a_signature_once(backend, device, use_tma, monkeypatch):
-    # The Triton launcher works a call signature's launch out on its first call (_route); later calls
-    # at that signature launch the chosen config through kernelforge.triton._launch.launch, and the
-    # same numbers come out. Another layout of b is another signature.
+    # The Triton launcher works a call signature's launch out on its first call (_route; on the GPU
+    # the autotuner runs it); later calls at that signature launch the chosen config, all through
+    # kernelforge.triton._launch.launch, and the same numbers come out. Another layout of b is
+    # another signature.
     from kernelforge.triton import gemm as triton_gemm
 
     routes, launches = [], []
@@ -99,11 +100,11 @@ def test_launcher_plans_a_signature_once(backend, device, use_tma, monkeypatch):
     with kf.use_backend(backend):
         outs = [kf.gemm(a, weight.t(), bias=bias, activation="relu") for _ in range(3)]
         assert len(routes) == 1 and len(triton_gemm._PLANS) == 1
-        assert len(launches) == (3 if device == "cpu" else 2)
+        assert len(launches) == 3  # on the GPU the first is the autotuner's, through launch() too
         kf.gemm(a, weight.t().contiguous(), bias=bias, activation="relu")
     assert len(routes) == 2 and len(triton_gemm._PLANS) == 2
     kernel = triton_gemm.gemm_tma_kernel if use_tma else triton_gemm.gemm_kernel
-    assert set(launches) == {kernel}
+    assert kernel in launches and all(k is kernel or type(k).__name__ == "Autotuner" for k in launches), launches
     assert torch.equal(outs[0], outs[2])
     torch.testing.assert_close(outs[0], torch.relu(a.float() @ weight.float().t() + bias.float()).half(),
                                rtol=2e-3, atol=2e-3)
