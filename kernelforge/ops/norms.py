@@ -66,10 +66,11 @@ def _why_not_reference(x: torch.Tensor, weight=None, bias=None, **direction):
 
 
 # Triton's kernels take less device time than the CUDA extension's at every size measured on an H200
-# (bf16, 16x4096 to 2048x4096 and 8192x768): forward 0.14-0.58x, forward+backward 0.50-0.73x, and
-# with its eager plan a call costs less host time too. Only large backward passes over rows of up
-# to this many columns once measured the other way (H100, 16384x4096: CUDA's layer norm 207 against
-# 216 us, RMS 182 against 186): there the CUDA kernels stay first.
+# (bf16, 16x4096 to 16384x4096, benchmarks/backend_order.py): forward 0.28-0.58x, forward+backward
+# 0.50-0.73x, and with its eager plan a call costs less host time too. Only large backward passes
+# over rows of up to this many columns measured the other way for the layer norm (16384x4096: CUDA's
+# backward 185 against 199 us on the H200, 207 against 216 on an H100; RMS: 160 against 153 on the
+# H200, 182 against 186 on the H100): there the CUDA kernels stay first.
 CUDA_BACKWARD_MAX_COLS = 8192
 CUDA_BACKWARD_MIN_ELEMENTS = 1 << 25
 
