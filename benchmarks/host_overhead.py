@@ -14,7 +14,8 @@ torch, kf/torch, "!" past 1.5x. --tiny: CPU, tiny shapes, a few calls (the CPU t
 
 Breakdown (kernelforge.bench.host_breakdown): one more loop of kernelforge's own choice with its
 functions wrapped in perf_counter_ns pairs, found by name at run time; a table per op of where a
-call's microseconds go: dispatch (the eager path's glue), op code, checks, backend choice,
+call's microseconds go: dispatch (the eager path's glue), an eager plan's key and its replay (a
+replayed call runs none of the rest of kernelforge's Python), op code, checks, backend choice,
 allocation, launch, autograd, the wrappers' own cost, the rest, and the wait for the GPU.
 
 On a GPU run the `build` stage of benchmarks/run_gpu.sh first (`bash benchmarks/run_gpu.sh build

@@ -7,7 +7,10 @@ perf_counter_ns pairs; each call's time goes to its category less the wrapped ca
     parts["us"]  # {category: microseconds per step}, CATEGORIES, adding up to the step's host time
 
 Categories:
-  dispatch  the eager path's glue: _opdef.Op.__call__ and _no_views
+  dispatch  the eager path's glue: _opdef.Op.__call__ (with Op._eager's plan lookup) and _no_views
+  plan key  an eager plan's signature: _eager_plans.signature and .state, backends.plan_key
+  replay    a replayed eager plan (_eager_plans.Plan.run): its allocations, fills and launches
+            through the compiled kernels' C launchers, and its own Python
   op code   the impl of each defined op (_opdef.DEFINITIONS), its own lines: views, arithmetic, and
             the torch ops of the reference backend
   checks    the ops' check_* / _check* / _validate* / normalize_dim / require functions
@@ -35,8 +38,8 @@ from collections import Counter, defaultdict
 
 from kernelforge.bench.timing import wall_us_per_call
 
-CATEGORIES = ("dispatch", "op code", "checks", "choice", "alloc", "launch", "autograd", "instrumentation", "rest",
-              "gpu wait")
+CATEGORIES = ("dispatch", "plan key", "replay", "op code", "checks", "choice", "alloc", "launch", "autograd",
+              "instrumentation", "rest", "gpu wait")
 
 
 class Probe:
@@ -98,6 +101,8 @@ CHECK_NAME = re.compile(r"^_?(check|validate)|^(normalize_dim|require)$")
 CHOICE_NAME = re.compile(r"^_?choose")
 # (category, "module:Attr.path"): resolved only where the module is already imported
 STATIC = [("dispatch", "kernelforge.ops._opdef:Op.__call__"), ("dispatch", "kernelforge.ops._opdef:_no_views"),
+          ("plan key", "kernelforge._eager_plans:signature"), ("plan key", "kernelforge._eager_plans:state"),
+          ("plan key", "kernelforge.backends:plan_key"), ("replay", "kernelforge._eager_plans:Plan.run"),
           ("choice", "kernelforge.backends:select"), ("choice", "kernelforge.backends:Implementation.launchers"),
           ("launch", "kernelforge.triton._launch:launch"), ("launch", "triton.runtime.jit:JITFunction.run"),
           ("launch", "triton.runtime.autotuner:Autotuner.run"), ("launch", "triton.runtime.autotuner:Heuristics.run"),
