@@ -53,6 +53,10 @@ def test_demo_refuses_unknown_levels_and_workloads(capsys):
     assert "unknown level(s) ['fast']" in capsys.readouterr().err
 
 
-def test_console_entry_point():
-    out = subprocess.run([sys.executable, "-m", "kernelforge.cli", "--help"], capture_output=True, text=True)
+@pytest.mark.parametrize("module", ["kernelforge.cli", "kernelforge"])
+def test_console_entry_point(module):
+    out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "doctor" in out.stdout and "demo" in out.stdout
+    # an unknown command fails with argparse's exit status, through python -m as through the script
+    bad = subprocess.run([sys.executable, "-m", module, "no-such-command"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
