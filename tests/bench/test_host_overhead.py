@@ -1,20 +1,15 @@
 """benchmarks/host_overhead.py --tiny on the CPU: a row per op and direction with finite times for
 kernelforge and torch, a breakdown that adds up, and the JSON."""
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "host_overhead.py"
+from tests.bench.scripts import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("host_overhead", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("host_overhead")
 
 
 def test_tiny_run_times_every_op_and_writes_json(tmp_path, capsys):

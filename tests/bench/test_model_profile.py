@@ -1,18 +1,12 @@
 """benchmarks/model_profile.py on the CPU: the small workloads' ops per level, the decode workload
 one step at a time after a prefill."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "model_profile.py"
+from tests.bench.scripts import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("model_profile", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("model_profile")
 
 
 def test_decode_steps_and_a_forward_are_profiled_per_family(capsys):
