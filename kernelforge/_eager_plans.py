@@ -18,9 +18,9 @@ signature, what its implementation did:
 A recording becomes a plan only when the implementation did nothing a replay would miss: every
 torch op it ran was an allocation (empty, zeros), a fill of what it allocated, or a view; every
 kernel was a Triton launch whose tensor arguments lie in an input or in an allocation of the call
-(pointers are re-derived as input pointer + offset); it chose no CUDA C++ backend (extension
-launches are invisible to both probes: the recording reports them, kernelforge.cuda.compiler's
-load does too); every output is (a view of) something it allocated. Anything else -- a copy, a
+(pointers are re-derived as input pointer + offset); it called no CUDA C++ extension (their
+launches are invisible to both probes; every call of one looks its module up through
+kernelforge.cuda.compiler's load, which tells the recording); every output is (a view of) something it allocated. Anything else -- a copy, a
 cuBLAS matmul, an .item(), an input's memory reached through two inputs that share it -- leaves
 the signature without a plan (`why`), and its calls run the implementation as before. The
 reference backend's torch ops are not replayed (it is the CPU path, where torch's own dispatch is
@@ -144,10 +144,11 @@ class NoPlan:
 SEEN_ONCE = NoPlan("seen once: the next call at this signature is recorded")
 
 
-def _extent_bytes(t: torch.Tensor) -> int:
-    if t.numel() == 0:
+def _extent_bytes(shape, stride, itemsize: int) -> int:
+    """Bytes from a tensor's first element to the end of its last (0 when empty)."""
+    if 0 in shape:
         return 0
-    return (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
+    return (sum((size - 1) * step for size, step in zip(shape, stride)) + 1) * itemsize
 
 
 class _Recording(TorchDispatchMode):
@@ -186,10 +187,13 @@ class _Recording(TorchDispatchMode):
         for j, alloc in enumerate(self.allocs):
             if alloc.untyped_storage().data_ptr() == storage:
                 return len(self.inputs) + j, ptr - storage
-        end = ptr + _extent_bytes(t)
+        end = ptr + _extent_bytes(t.shape, t.stride(), t.element_size())
         sharing = [i for i, x in enumerate(self.inputs) if x.untyped_storage().data_ptr() == storage]
-        within = [i for i in sharing if self.inputs[i].data_ptr() <= ptr and end <= self.inputs[i].data_ptr()
-                  + _extent_bytes(self.inputs[i])]
+        def holds(x):  # t's bytes lie inside input x's
+            start = x.data_ptr()
+            return start <= ptr and end <= start + _extent_bytes(x.shape, x.stride(), x.element_size())
+
+        within = [i for i in sharing if holds(self.inputs[i])]
         if len(sharing) == 1 or len(within) == 1:
             i = sharing[0] if len(sharing) == 1 else within[0]
             return i, ptr - self.inputs[i].data_ptr()
@@ -336,9 +340,8 @@ class Plan:
             if j is None:
                 continue
             alloc = recording.allocs[j]
-            o_bytes = _extent_bytes(torch.empty_strided(shape, stride, dtype=dtype, device="meta"))
             if (j not in exact and byte_offset == 0 and dtype == alloc.dtype
-                    and o_bytes == alloc.untyped_storage().nbytes()):
+                    and _extent_bytes(shape, stride, dtype.itemsize) == alloc.untyped_storage().nbytes()):
                 exact[j] = k
         for j, alloc in enumerate(recording.allocs):
             device = alloc.device
@@ -355,7 +358,7 @@ class Plan:
             else:
                 self.outputs.append((n_inputs + j, None) if exact.get(j) == k else
                                     (n_inputs + j, (byte_offset, dtype, shape, stride)))
-        self.steps = [self._step(step, n_inputs) for step in recording.steps]
+        self.steps = [self._step(step) for step in recording.steps]
         self.needs_pointers = any(step[0] == "direct" for step in recording.steps)
         self._replay = self._one_launch(recording.steps, n_inputs) or self._replay_any
         # Triton launches on the current device: with several GPUs a replay makes the launches' own
@@ -364,7 +367,7 @@ class Plan:
         self.device = devices.pop() if len(devices) == 1 and torch.cuda.device_count() > 1 else None
 
     @staticmethod
-    def _step(step: tuple, n_inputs: int) -> Callable:
+    def _step(step: tuple) -> Callable:
         kind = step[0]
         if kind == "fill":
             (source, byte_offset), dtype, shape, stride = step[1]
@@ -398,21 +401,18 @@ class Plan:
         return f"Plan({len(self.makers)} allocations, {len(self.steps)} steps, {len(self.outputs)} outputs)"
 
     def _one_launch(self, steps: list, n_inputs: int) -> Optional[Callable]:
-        """The replay of the common plan, one output allocated in its shape and one launch (an
-        elementwise op, a norm's forward), with nothing more than it needs: a microsecond less."""
+        """The replay of the common plan, one output allocated in its shape and one direct launch (an
+        elementwise op, a norm's forward): no list of tensors or outputs built around them."""
         if (len(self.makers) != 1 or self.outputs != [(n_inputs, None)] or self.container is not None
-                or len(steps) != 1 or steps[0][0] != "direct" or steps[0][4]):
+                or len(steps) != 1 or steps[0][0] != "direct"):
             return None
-        make, make_args, make_kwargs = self.makers[0]
-        (run, function, metadata, tail), (grid_x, grid_y, grid_z), spec, _, device = steps[0][1:]
-        raw_stream = torch._C._cuda_getCurrentRawStream
+        (make, make_args, make_kwargs), launch = self.makers[0], self.steps[0]
 
         def replay(inputs):
             out = make(*make_args, **make_kwargs)
             pointers = [t.data_ptr() for t in inputs]
             pointers.append(out.data_ptr())
-            run(grid_x, grid_y, grid_z, raw_stream(device), function, metadata, None, None, None,
-                *[pointers[i] + d if i >= 0 else v for i, d, v in spec], *tail)
+            launch(None, pointers)
             return out
         return replay
 

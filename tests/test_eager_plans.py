@@ -95,11 +95,19 @@ def _returns_input(x, y, scale):
     return x
 
 
+def _loads_an_extension(x, y, scale):  # a CUDA extension's module looked up: its launches are unseen
+    from kernelforge.cuda.compiler import get_cuda_compiler
+
+    get_cuda_compiler().load("plans_probe")
+    return _scaled(x, y, scale)
+
+
 SCALED = _define("scaled", _scaled)
 SUM_OF_TWO = _define("sum_of_two", _sum_of_two)
 OFFSET_OUTPUT = _define("offset_output", _offset_output)
 COPIES_INPUT = _define("copies_input", _copies_input)
 READS_A_VALUE = _define("reads_a_value", _reads_a_value)
+LOADS_AN_EXTENSION = _define("loads_an_extension", _loads_an_extension)
 RETURNS_INPUT = define_op("kernelforge::plans_probe_returns_input(Tensor x, Tensor y, float scale) -> Tensor",
                           _returns_input, lambda x, y, scale: torch.empty_like(x))
 
@@ -147,6 +155,20 @@ def test_what_a_replay_would_miss_leaves_no_plan(op, why, device):
     plan = op.plan(x, y, 1.5)
     assert isinstance(plan, _eager_plans.NoPlan) and why in plan.why, plan
     assert replays["count"] == 0
+
+
+def test_a_cuda_extension_call_leaves_no_plan(device, monkeypatch):
+    # its launches are invisible to the recording: CUDACompiler.load, which every extension call
+    # goes through, tells the recording so (a module already loaded here: nothing is built)
+    from types import SimpleNamespace
+
+    from kernelforge.cuda.compiler import get_cuda_compiler
+
+    monkeypatch.setitem(get_cuda_compiler()._by_extension, "plans_probe", SimpleNamespace())
+    x, y = _fresh(device)
+    for _ in range(3):
+        torch.testing.assert_close(LOADS_AN_EXTENSION(x, y, 2.0), 2 * x)
+    assert "CUDA extension 'plans_probe'" in LOADS_AN_EXTENSION.plan(x, y, 2.0).why and replays["count"] == 0
 
 
 def test_inputs_sharing_memory(device):

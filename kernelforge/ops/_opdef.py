@@ -150,7 +150,7 @@ class Op:
         if not _eager_plans.enabled() or backends.counting():  # inside a recording: recorded into it
             return _no_views(self.impl(*args))
         tensors = []
-        key = _eager_plans.signature(args, (backends.plan_key(), _eager_plans.state()), tensors)
+        key = _plan_signature(args, tensors)
         plans = self._plans
         plan = plans.get(key)
         if plan is None:  # the first call: it may compile, autotune, build; the next is recorded
@@ -168,7 +168,7 @@ class Op:
     def plan(self, *args) -> "Optional[_eager_plans.Plan | _eager_plans.NoPlan]":
         """The eager plan calls with these arguments replay (a Plan), why they have none (a NoPlan),
         or None before their first call."""
-        return self._plans.get(_eager_plans.signature(args, (backends.plan_key(), _eager_plans.state()), []))
+        return self._plans.get(_plan_signature(args, []))
 
     def _plain_eager(self, args) -> bool:
         # an eager plan's recording is a dispatch mode: ops inside it run as plain eager calls
@@ -237,6 +237,12 @@ class Op:
                 return mode.__torch_dispatch__(op, types, args, kwargs)
             with mode:
                 return self.impl(*args, **kwargs)
+
+
+def _plan_signature(args: tuple, tensors: list) -> tuple:
+    """The key of a call's eager plan: its arguments' signature under the backend selection and the
+    state ops registered (the call's tensors appended to `tensors`)."""
+    return _eager_plans.signature(args, (backends.plan_key(), _eager_plans.state()), tensors)
 
 
 @functools.lru_cache(maxsize=None)
