@@ -112,6 +112,18 @@ def time_function(fn: Callable[[], object], device: torch.device | str = "cuda",
         return _summary(times)
 
 
+def autotune_timing(kernel_call, quantiles):
+    """Triton autotuners' timing (their do_bench): device time with an L2 flush before each run
+    and the GPU held until the run is queued (time_function), the quantiles Triton asks for.
+    Triton's own do_bench records events around each call as it is queued; a few-row product
+    runs in 10-20 us, less than the host takes to launch it, so every candidate timed as the
+    host's pace and the picks were noise: 64x128x128 at 2 slices ran 20.6 us where the tuner's
+    pick ran 23.3 (kf.gemm 128 x 4096 x 4096, H200)."""
+    timing = time_function(kernel_call, "cuda", warmup=3, repeat=25)
+    by_quantile = {0.5: timing.median_ms, 0.2: timing.p20_ms, 0.8: timing.p80_ms}
+    return [by_quantile[q] for q in quantiles] if quantiles else timing.median_ms
+
+
 def wall_us_per_call(fn: Callable[[], object], calls: int = 100, warmup: int = 10,
                      device: torch.device | str = "cuda") -> float:
     """Wall-clock microseconds per call over `calls` back-to-back calls of fn, the device

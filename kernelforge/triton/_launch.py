@@ -69,6 +69,24 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# Zeroed int32 counters, one buffer per (device, stream): the split-K kernels set every count they
+# use back to zero before they end, so launches in one stream (which run one after another)
+# share a buffer without a memset, and streams never share one.
+_COUNTERS: dict = {}
+
+
+def zeroed_counters(device: torch.device, count: int) -> torch.Tensor:
+    """At least `count` int32 zeros on `device` for the current stream, to be left zero by the
+    kernel that uses them (split-K's arrival counts)."""
+    # the raw stream, as launch reads it: torch.cuda.current_stream costs ~7 us
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0)
+    counts = _COUNTERS.get(key)
+    if counts is None or counts.numel() < count:
+        counts = torch.zeros(max(count, 4096), device=device, dtype=torch.int32)
+        _COUNTERS[key] = counts
+    return counts
+
+
 @functools.lru_cache(maxsize=None)
 def _several_gpus() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 1

@@ -11,7 +11,8 @@ None: that rule), so the tests run both kernels, also under Triton's interpreter
 A third, in Gluon (gemm_gluon.py, warp-specialized: a loader warp and two MMA warpgroups),
 takes one matrix of 16-bit or e4m3 operands on sm_90, with any epilogue, when its tiles
 (128 x 256; 128 x 128 for fp8 with the float32 promotion) give every SM one; USE_GLUON
-overrides its rule the same way.
+overrides its rule the same way. A fourth, on the CUDA cores (gemv.py), takes one matrix of a
+single row (a decoding step's), any compute but fp8; USE_GEMV overrides its rule.
 
 Tiles (and split-K's slice count) are autotuned on the GPU, once per (M rounded up to a power
 of two, N, K, operand layout, dtypes, epilogue) in a process, timed by _tuning_bench: a first
@@ -38,10 +39,11 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernelforge.bench.timing import time_function
+from kernelforge.bench.timing import autotune_timing
 from kernelforge.triton import interpreter_enabled
+from kernelforge.triton import gemv
 from kernelforge.triton._launch import (cdiv, device_capability, gluon_module, launch, next_power_of_2, on_device,
-                                        sm_count)
+                                        sm_count, zeroed_counters)
 from kernelforge.triton.gemm_kernels import gemm_kernel, gemm_tma_kernel, round_tf32_kernel
 from kernelforge.triton.tma_descriptors import descriptor_template, rebased, tma_layouts
 
@@ -50,6 +52,7 @@ _INTERPRETER = interpreter_enabled()
 
 USE_TMA: Optional[bool] = None
 USE_GLUON: Optional[bool] = None  # the Gluon kernel for one matrix: None its rule, False never, True any size
+USE_GEMV: Optional[bool] = None  # the few-row kernel (gemv.py): None its rule (one row), False never, True <= 8 rows
 SPLIT_K: Optional[int] = None  # slices of K a TMA-kernel tile is split into: None the autotuner's pick
 _TMA_MIN_ROWS = 65  # at 16 rows the pointer kernel's 16-row tiles win (benchmarks/gemm_sweep.py)
 _PRECISION = {"fp32": "ieee", "tf32": "tf32", "fp16": "tf32", "bf16": "tf32", "fp8": "tf32"}  # not fp32: ignored
@@ -164,18 +167,6 @@ def _tma_block_shapes(nargs):
     nargs["c_desc"].block_shape = [bm, bn]
 
 
-def _tuning_bench(kernel_call, quantiles):
-    """The autotuners' timing: device time with an L2 flush before each run and the GPU held
-    until the run is queued (kernelforge.bench.timing.time_function), the quantiles Triton
-    asks for. Triton's own do_bench records events around each call as it is queued; a
-    few-row product runs in 10-20 us, less than the host takes to launch it, so every
-    candidate timed as the host's pace and the picks were noise: 64x128x128 at 2 slices ran
-    20.6 us where the tuner's pick ran 23.3 (128 x 4096 x 4096, H200)."""
-    timing = time_function(kernel_call, "cuda", warmup=3, repeat=25)
-    by_quantile = {0.5: timing.median_ms, 0.2: timing.p20_ms, 0.8: timing.p80_ms}
-    return [by_quantile[q] for q in quantiles] if quantiles else timing.median_ms
-
-
 def _even_k(args):
     return args["K"] % args["BLOCK_K"] == 0
 
@@ -189,7 +180,7 @@ def _pointer_kernels(operand_bits: int):
         return None
     configs = {8: CONFIGS_FP8, 16: CONFIGS_16BIT, 32: CONFIGS_32BIT}[operand_bits]
     return triton.autotune(configs=configs, key=AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune},
-                           do_bench=_tuning_bench)(triton.heuristics({"EVEN_K": _even_k})(gemm_kernel))
+                           do_bench=autotune_timing)(triton.heuristics({"EVEN_K": _even_k})(gemm_kernel))
 
 
 @functools.lru_cache(maxsize=None)
@@ -200,7 +191,7 @@ def _tma_kernels(operand_bits: int):
     configs = [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=_tma_block_shapes)
                for c in {8: CONFIGS_FP8, 16: CONFIGS_TMA, 32: CONFIGS_TMA_32}[operand_bits]]
     return triton.autotune(configs=configs, key=TMA_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune_tma},
-                           do_bench=_tuning_bench)(gemm_tma_kernel)
+                           do_bench=autotune_timing)(gemm_tma_kernel)
 
 
 # ----------------------------------------------------------------------------- TMA descriptors
@@ -360,7 +351,7 @@ class _TmaLaunch:
         if split > 1:
             M, N, _, device = self.work
             partials = torch.empty((split, M, N), device=device, dtype=torch.float32)
-            arrivals = _arrival_counts(device, cdiv(M, 32) * cdiv(N, 32))  # every tile is 32 x 32 or larger
+            arrivals = zeroed_counters(device, cdiv(M, 32) * cdiv(N, 32))  # every tile is 32 x 32 or larger
         tail = (out if bias is None else bias, out if residual is None else residual,
                 out if preact is None else preact, out if scale_a is None else scale_a,
                 out if scale_b is None else scale_b, partials, arrivals, *self.ints)
@@ -381,6 +372,13 @@ def _route(a, b, out, bias, residual, preact, scale_a, scale_b, activation, comp
     """The launch a call signature takes (its first call's tensors, after _Plan's copies): the
     Gluon kernel's plan, or _TmaLaunch, or _PointerLaunch; each is called with the tensors."""
     scaled = compute == "fp8"
+    dtypes = (a.dtype, b.dtype, out.dtype, None if bias is None else bias.dtype,
+              None if residual is None else residual.dtype)
+    if gemv.takes(a, compute, USE_GEMV):
+        epilogue = dict(ACTIVATION=activation or "none", HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+                        SAVE_PREACT=preact is not None, PRECISE=not _INTERPRETER,
+                        BF16_OUT=out.dtype == torch.bfloat16 and not _INTERPRETER)
+        return gemv.Launch(a, b, out, residual, preact, compute, epilogue, dtypes, SPLIT_K)
     sms = sm_count(a.device)
     if a.shape[0] == 1 and (scaled or _COMPUTE_DTYPE.get(compute) == a.dtype):
         first = [None if t is None else t[0] for t in (residual, preact, scale_a, scale_b)]
@@ -394,8 +392,6 @@ def _route(a, b, out, bias, residual, preact, scale_a, scale_b, activation, comp
                     FP8_PRECISE=scaled and not fast_accum)
     # (batch, row) strides of scale_a and (batch, column) of scale_b; unscaled: never read
     scale_strides = (*scale_a.stride(), *scale_b.stride()) if scaled else (0, 0, 0, 0)
-    dtypes = (a.dtype, b.dtype, out.dtype, None if bias is None else bias.dtype,
-              None if residual is None else residual.dtype)
     tma = tma_layouts(a, b, out, compute) if _take_tma(a, compute) else None
     if tma is not None:
         return _TmaLaunch(a, b, out, *tma, residual, preact, compute, epilogue, sms, dtypes, scale_strides)
@@ -462,26 +458,11 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residua
                  b.data_ptr() % 16, compute, out_dtype, activation, save_preact, fast_accum,
                  None if bias is None else (bias.dtype, bias.stride()),
                  None if residual is None else (residual.dtype, residual.stride(), residual.data_ptr() % 16),
-                 None if scale_a is None else (scale_a.stride(), scale_b.stride()), USE_TMA, USE_GLUON, SPLIT_K)
+                 None if scale_a is None else (scale_a.stride(), scale_b.stride()), USE_TMA, USE_GLUON, USE_GEMV,
+                 SPLIT_K)
     plan = _PLANS.get(signature)
     if plan is None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         plan = _PLANS[signature] = _Plan(a, b, bias, activation, compute, out_dtype, save_preact, fast_accum)
     return plan.run(a, b, bias, residual, scale_a, scale_b, out_shape)
-
-
-# Split-K's arrival counts, one zeroed int32 buffer per (device, stream): gemm_tma_kernel sets
-# every count it uses back to zero before it ends, so launches in one stream (which run one
-# after another) share a buffer without a memset, and streams never share one.
-_ARRIVALS: dict = {}
-
-
-def _arrival_counts(device: torch.device, count: int) -> torch.Tensor:
-    # the raw stream, as kernelforge.triton._launch reads it: torch.cuda.current_stream costs ~7 us
-    key = (device, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0)
-    counts = _ARRIVALS.get(key)
-    if counts is None or counts.numel() < count:
-        counts = torch.zeros(max(count, 4096), device=device, dtype=torch.int32)
-        _ARRIVALS[key] = counts
-    return counts

@@ -297,3 +297,67 @@ def round_tf32_kernel(X, Y, R, C, sxr, sxc, syr, syc, BLOCK_R: tl.constexpr, BLO
     inside = (r[:, None] < R) & (c[None, :] < C)
     x = tl.load(X + r[:, None].to(tl.int64) * sxr + c[None, :].to(tl.int64) * sxc, mask=inside)
     tl.store(Y + r[:, None].to(tl.int64) * syr + c[None, :].to(tl.int64) * syc, _operand(x, "tf32"), mask=inside)
+
+
+@triton.jit
+def gemv_kernel(
+    A, B, C, BIAS, RES, PRE, PARTIALS, ARRIVALS,
+    M, N, K, sam, sak, sbk, sbn, scm, scn, srm, srn, spm, spn, M_BUCKET,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    COMPUTE: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    SAVE_PREACT: tl.constexpr, PRECISE: tl.constexpr, BF16_OUT: tl.constexpr,
+):
+    """One matrix of few rows (M <= ROWS, a decoding step's tokens): out = act(a @ b + bias) +
+    residual, on the CUDA cores.
+
+    Bytes: b's K x N elements once (all that counts: a is M x K, from L2 after the first
+    program), out M x N; FLOPs 2 M N K, a few per byte, so the weight's stream is the whole
+    cost. The tensor cores would pad M to 16 or 64 rows and their tiles need many output
+    columns a program, leaving too few programs to keep HBM busy; here a program owns BLOCK_N
+    columns and (SPLIT_K > 1) one of SPLIT_K slices of K, multiplies each (BLOCK_N x BLOCK_K)
+    tile of b by a's rows in float32 registers and sums over K once, after the loop, so the
+    loop is loads and FMAs only. Split slices meet as gemm_tma_kernel's do (_split_k_arrive:
+    the last to arrive adds the partials in slice order and runs the epilogue): one launch.
+    At one row this streams b at 0.97-1.25x cuBLAS's pace (H200, decode shapes,
+    benchmarks/decode_step_sweep.py); at four rows its registers hold four accumulator tiles
+    and it falls to 0.6x, so only single rows take it. M_BUCKET is only the autotuner's key."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_m = tl.arange(0, ROWS)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # rows and columns past the edge read row / column 0 (never stored), so the loads need no
+    # mask along M or N; the hints keep a unit-stride b column-contiguous for 16-byte loads
+    rows = tl.where(offs_m < M, offs_m, 0)
+    cols = tl.max_contiguous(tl.multiple_of(tl.where(offs_n < N, offs_n, 0), BLOCK_N), BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    k_first = split * per_split
+    k_stop = tl.minimum(k_first + per_split, k_tiles)
+    a_ptrs = A + rows[:, None].to(tl.int64) * sam + (k_first * BLOCK_K + offs_k)[None, :] * sak
+    b_ptrs = B + cols[:, None].to(tl.int64) * sbn + (k_first * BLOCK_K + offs_k)[None, :].to(tl.int64) * sbk
+    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
+    for kt in range(k_first, k_stop):
+        if EVEN_K:
+            w = tl.load(b_ptrs)
+            x = tl.load(a_ptrs)
+        else:
+            inside_k = offs_k[None, :] < K - kt * BLOCK_K
+            w = tl.load(b_ptrs, mask=inside_k, other=0.0)
+            x = tl.load(a_ptrs, mask=inside_k, other=0.0)
+        # rounded to the compute dtype first (a no-op for operands in it), so the products are
+        # the tensor cores' (exact in float32) and the result matches gemm_kernel's
+        acc += _operand(x, COMPUTE).to(tl.float32)[:, None, :] * _operand(w, COMPUTE).to(tl.float32)[None, :, :]
+        a_ptrs += BLOCK_K * sak
+        b_ptrs += BLOCK_K * sbk
+    out = tl.sum(acc, axis=2)
+    if SPLIT_K > 1:
+        num_tiles = tl.num_programs(0)
+        out, last = _split_k_arrive(out, split * num_tiles + pid_n, num_tiles, offs_m, offs_n, M, N, PARTIALS,
+                                    M * N, ARRIVALS, SPLIT_K)
+    else:
+        last = True
+    if last:
+        z, inside = _epilogue(out, offs_m, offs_n, M, N, BIAS, RES, PRE, srm, srn, spm, spn,
+                              ACTIVATION, HAS_BIAS, HAS_RESIDUAL, SAVE_PREACT, PRECISE, BF16_OUT)
+        tl.store(C + offs_m[:, None].to(tl.int64) * scm + offs_n[None, :] * scn, z.to(C.dtype.element_ty), mask=inside)
