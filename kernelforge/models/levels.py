@@ -251,12 +251,26 @@ class FastestKernels(TorchKernels):
     as fast as kernelforge's fused ones and fused with their neighbors too, and cuBLAS / cuDNN beat
     kernelforge's GEMM and head-dim-64 attention; only the loss, which Inductor runs in more passes
     over the logits, wins. So the fastest level is torch.compile with CUDA graphs and kernelforge's
-    cross-entropy. The decode step stays on SDPA over the masked static cache too: there kernelforge's
-    flash-decoding (reading only the filled rows) gave 933 tokens/s against 960 (same run)."""
+    cross-entropy, and, in a decoding step (one token a sequence), kernelforge's few-row GEMM and
+    flash-decoding: at one row cuBLAS streams a weight at 33-90% of the copy bandwidth, the few-row
+    kernel at 0.97-1.25x its pace (H200, the decode step's five shapes), and flash-decoding reads
+    only the cache's filled rows, 1.4-1.9x SDPA over the masked whole cache (16 layers in a CUDA
+    graph each, benchmarks/decode_step_sweep.py). The prompt's prefill keeps SDPA."""
 
     name = "fastest"
 
     cross_entropy = KernelforgeKernels.cross_entropy
+    cache_seqlens = KernelforgeKernels.cache_seqlens  # a (B,) int32 a step: both attentions below take it
+
+    def linear(self, x, weight, bias=None, activation: Optional[str] = None):
+        if x.is_cuda and x.numel() == x.shape[-1]:  # one row: traced once per shape, no runtime branch
+            return KERNELFORGE_KERNELS.linear(x, weight, bias, activation)
+        return super().linear(x, weight, bias, activation)
+
+    def cached_attention(self, q, cache_k, cache_v, positions, seqlens):
+        if q.is_cuda and q.shape[-2] == 1:  # a decoding step's token
+            return KERNELFORGE_KERNELS.cached_attention(q, cache_k, cache_v, positions, seqlens)
+        return super().cached_attention(q, cache_k, cache_v, positions, seqlens)
 
 
 TORCH_KERNELS = TorchKernels()
