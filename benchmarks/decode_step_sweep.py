@@ -67,7 +67,7 @@ def gemv_call(x, w, out, config, split_buffers):
 
     def call():
         gemv_kernel[grid](x, w.t(), out, out, out, out, partials, arrivals, M, N, K, x.stride(0), x.stride(1),
-                          w.stride(1), w.stride(0), out.stride(0), out.stride(1), 0, 0, 0, 0, rows,
+                          w.stride(1), w.stride(0), out.stride(0), out.stride(1), 0, 0, 0, 0, 1 << config["SPLIT_K"],
                           ROWS=rows, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], SPLIT_K=config["SPLIT_K"],
                           EVEN_K=K % config["BLOCK_K"] == 0, COMPUTE="bf16", ACTIVATION="none", HAS_BIAS=False,
                           HAS_RESIDUAL=False, SAVE_PREACT=False, PRECISE=True, BF16_OUT=True, num_warps=config["num_warps"],

@@ -251,8 +251,8 @@ class FastestKernels(TorchKernels):
     as fast as kernelforge's fused ones and fused with their neighbors too, and cuBLAS / cuDNN beat
     kernelforge's GEMM and head-dim-64 attention; only the loss, which Inductor runs in more passes
     over the logits, wins. So the fastest level is torch.compile with CUDA graphs and kernelforge's
-    cross-entropy, and, in a decoding step (one token a sequence), kernelforge's few-row GEMM and
-    flash-decoding: at one row cuBLAS streams a weight at 33-90% of the copy bandwidth, the few-row
+    cross-entropy, and, in a decoding step, kernelforge's flash-decoding and (at batch 1: one row)
+    its one-row GEMM: at one row cuBLAS streams a weight at 33-90% of the copy bandwidth, the few-row
     kernel at 0.97-1.25x its pace (H200, the decode step's five shapes), and flash-decoding reads
     only the cache's filled rows, 1.4-1.9x SDPA over the masked whole cache (16 layers in a CUDA
     graph each, benchmarks/decode_step_sweep.py). The prompt's prefill keeps SDPA."""
@@ -263,7 +263,7 @@ class FastestKernels(TorchKernels):
     cache_seqlens = KernelforgeKernels.cache_seqlens  # a (B,) int32 a step: both attentions below take it
 
     def linear(self, x, weight, bias=None, activation: Optional[str] = None):
-        if x.is_cuda and x.numel() == x.shape[-1]:  # one row: traced once per shape, no runtime branch
+        if x.is_cuda and x.dim() >= 2 and x.numel() == x.shape[-1]:  # one row: decided when traced
             return KERNELFORGE_KERNELS.linear(x, weight, bias, activation)
         return super().linear(x, weight, bias, activation)
 

@@ -78,6 +78,10 @@ _COUNTERS: dict = {}
 def zeroed_counters(device: torch.device, count: int) -> torch.Tensor:
     """At least `count` int32 zeros on `device` for the current stream, to be left zero by the
     kernel that uses them (split-K's arrival counts)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # a buffer of this graph's own, zeroed on each replay: torch.cuda.graph captures every graph
+        # on one stream, and graphs replay on any stream, so a cached one could be shared or stale
+        return torch.zeros(count, device=device, dtype=torch.int32)
     # the raw stream, as launch reads it: torch.cuda.current_stream costs ~7 us
     key = (device, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0)
     counts = _COUNTERS.get(key)

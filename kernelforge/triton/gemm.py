@@ -15,7 +15,7 @@ overrides its rule the same way. A fourth, on the CUDA cores (gemv.py), takes on
 single row (a decoding step's), any compute but fp8; USE_GEMV overrides its rule.
 
 Tiles (and split-K's slice count) are autotuned on the GPU, once per (M rounded up to a power
-of two, N, K, operand layout, dtypes, epilogue) in a process, timed by _tuning_bench: a first
+of two, N, K, operand layout, dtypes, epilogue) in a process, timed by bench.timing.autotune_timing: a first
 call at a new shape costs the compiles and timings of the candidates (seconds), later calls
 none. Under TRITON_INTERPRET=1 one small tile runs, so the CPU suite stays fast.
 
@@ -374,7 +374,7 @@ def _route(a, b, out, bias, residual, preact, scale_a, scale_b, activation, comp
     scaled = compute == "fp8"
     dtypes = (a.dtype, b.dtype, out.dtype, None if bias is None else bias.dtype,
               None if residual is None else residual.dtype)
-    if gemv.takes(a, compute, USE_GEMV):
+    if USE_TMA is not True and USE_GLUON is not True and gemv.takes(a, compute, USE_GEMV):  # unless another is forced
         epilogue = dict(ACTIVATION=activation or "none", HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
                         SAVE_PREACT=preact is not None, PRECISE=not _INTERPRETER,
                         BF16_OUT=out.dtype == torch.bfloat16 and not _INTERPRETER)

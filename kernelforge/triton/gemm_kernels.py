@@ -302,7 +302,7 @@ def round_tf32_kernel(X, Y, R, C, sxr, sxc, syr, syc, BLOCK_R: tl.constexpr, BLO
 @triton.jit
 def gemv_kernel(
     A, B, C, BIAS, RES, PRE, PARTIALS, ARRIVALS,
-    M, N, K, sam, sak, sbk, sbn, scm, scn, srm, srn, spm, spn, M_BUCKET,
+    M, N, K, sam, sak, sbk, sbn, scm, scn, srm, srn, spm, spn, SPLIT_CHOICES,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     COMPUTE: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     SAVE_PREACT: tl.constexpr, PRECISE: tl.constexpr, BF16_OUT: tl.constexpr,
@@ -320,7 +320,8 @@ def gemv_kernel(
     the last to arrive adds the partials in slice order and runs the epilogue): one launch.
     At one row this streams b at 0.97-1.25x cuBLAS's pace (H200, decode shapes,
     benchmarks/decode_step_sweep.py); at four rows its registers hold four accumulator tiles
-    and it falls to 0.6x, so only single rows take it. M_BUCKET is only the autotuner's key."""
+    and it falls to 0.6x, so only single rows take it. SPLIT_CHOICES (the slice counts the
+    autotuner may pick from, one bit each) is only its key."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_m = tl.arange(0, ROWS)
@@ -334,8 +335,11 @@ def gemv_kernel(
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     k_first = split * per_split
     k_stop = tl.minimum(k_first + per_split, k_tiles)
-    a_ptrs = A + rows[:, None].to(tl.int64) * sam + (k_first * BLOCK_K + offs_k)[None, :] * sak
-    b_ptrs = B + cols[:, None].to(tl.int64) * sbn + (k_first * BLOCK_K + offs_k)[None, :].to(tl.int64) * sbk
+    k_offs = (k_first * BLOCK_K + offs_k)[None, :].to(tl.int64)
+    a_ptrs = A + rows[:, None].to(tl.int64) * sam + k_offs * sak
+    b_ptrs = B + cols[:, None].to(tl.int64) * sbn + k_offs * sbk
+    a_step = tl.cast(BLOCK_K, tl.int64) * sak  # a K tile's step along a and b, in 64 bits: strided
+    b_step = tl.cast(BLOCK_K, tl.int64) * sbk  # operands may be more than 2^31 elements long
     acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
     for kt in range(k_first, k_stop):
         if EVEN_K:
@@ -348,8 +352,8 @@ def gemv_kernel(
         # rounded to the compute dtype first (a no-op for operands in it), so the products are
         # the tensor cores' (exact in float32) and the result matches gemm_kernel's
         acc += _operand(x, COMPUTE).to(tl.float32)[:, None, :] * _operand(w, COMPUTE).to(tl.float32)[None, :, :]
-        a_ptrs += BLOCK_K * sak
-        b_ptrs += BLOCK_K * sbk
+        a_ptrs += a_step
+        b_ptrs += b_step
     out = tl.sum(acc, axis=2)
     if SPLIT_K > 1:
         num_tiles = tl.num_programs(0)

@@ -33,16 +33,17 @@ def _config(block_n, block_k, warps, split=1):
     return triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split}, num_warps=warps, num_stages=1)
 
 
-# The winners of benchmarks/decode_step_sweep.py at one row (H200, bf16; results under
-# benchmarks/results/nvidia-h200/decode/): 8 x 512 / 4 warps at N 6144 (K 2048 and 4096),
-# 4 x 1024 / 8 warps at 2048 x 2048, 4 x 1024 / 4 at 2048 x 5472, 16 x 256 / 4 at 10944 x 2048,
+# The winners of benchmarks/decode_step_sweep.py at one row (H200, bf16; results in
+# benchmarks/results/nvidia-h200/models/97577be-decode-step-sweep/): 8 x 512 / 4 warps at N 6144
+# (K 2048 and 4096), 4 x 1024 / 8 warps at 2048 x 2048, 4 x 1024 / 4 at 2048 x 5472, 16 x 256 / 4 at 10944 x 2048,
 # 8 x 1024 / 4 at the vocabulary, 4096 x 4096, 28672 x 4096 and 4096 x 14336. Software
 # pipelining (num_stages) changed nothing there: the loads are not a tl.dot's.
 CONFIGS = [_config(8, 512, 4), _config(4, 1024, 8), _config(4, 1024, 4), _config(16, 256, 4), _config(8, 1024, 4)]
 SPLIT_CONFIGS = [_config(4, 512, 4, split) for split in SPLITS]
 INTERPRETER_CONFIG = dict(BLOCK_N=8, BLOCK_K=32, num_warps=4, num_stages=1)
 FIXED_SPLIT_CONFIG = dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=1)  # gemm.SPLIT_K set, on a GPU
-AUTOTUNE_KEY = ["ROWS", "N", "K", "sak", "sbk", "COMPUTE", "ACTIVATION", "HAS_BIAS", "HAS_RESIDUAL", "SAVE_PREACT"]
+AUTOTUNE_KEY = ["ROWS", "SPLIT_CHOICES", "N", "K", "sak", "sbk", "COMPUTE", "ACTIVATION", "HAS_BIAS", "HAS_RESIDUAL",
+                "SAVE_PREACT"]
 
 
 def _splits(N: int, K: int, device: torch.device) -> tuple:
@@ -54,13 +55,13 @@ def _splits(N: int, K: int, device: torch.device) -> tuple:
 
 
 def _prune(configs, named_args, **kwargs):
-    """The candidates at _splits's slice counts whose accumulators fit a thread's registers at this
+    """The candidates at the slice counts SPLIT_CHOICES allows (_splits, one bit each: part of the
+    key, as it follows the device's SM count) whose accumulators fit a thread's registers at this
     many rows (128 floats each)."""
-    N, K, rows = named_args["N"], named_args["K"], kwargs["ROWS"]
-    splits = _splits(N, K, named_args["C"].device)
-    kept = [c for c in configs if c.kwargs["SPLIT_K"] in splits
-            and rows * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= 128 * 32 * c.num_warps]
-    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"])]
+    mask, rows = named_args["SPLIT_CHOICES"], kwargs["ROWS"]
+    allowed = [c for c in configs if mask >> c.kwargs["SPLIT_K"] & 1]
+    kept = [c for c in allowed if rows * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= 128 * 32 * c.num_warps]
+    return kept or [min(allowed, key=lambda c: c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"])]
 
 
 def _even_k(args):
@@ -100,15 +101,16 @@ class Launch:
         N = b.shape[2]
         rows = next_power_of_2(M)
         res, pre = (out if t is None else t for t in (residual, preact))
+        splits = (split_k,) if split_k is not None else _splits(N, K, out.device)
         self.ints = (M, N, K, *a.stride()[1:], *b.stride()[1:], *out.stride()[1:], *res.stride()[1:],
-                     *pre.stride()[1:], rows)
+                     *pre.stride()[1:], sum(1 << s for s in splits))
         self.kwargs = dict(ROWS=rows, COMPUTE=compute, **epilogue)
-        self.signature = (rows, N, K, a.stride(2), b.stride(1), compute, *dtypes, *epilogue.values())
+        self.signature = (rows, splits, N, K, a.stride(2), b.stride(1), compute, *dtypes, *epilogue.values())
         self.work = (M, N, out.device)
         self.tuner = _tuner()
         # the tuning call's split-K buffers, for the largest slice count it may try: none for most
         # shapes (a zeroed counter buffer made inside a CUDA-graph warm-up would stay in its pool)
-        self.tuning_split = 1 if self.tuner is None else max(_splits(N, K, out.device))
+        self.tuning_split = max(splits)
         chosen = _CHOSEN.get(self.signature)
         if self.tuner is None or split_k is not None:  # the interpreter, or a slice count asked for: one tile
             config = {**(INTERPRETER_CONFIG if self.tuner is None else FIXED_SPLIT_CONFIG), "SPLIT_K": split_k or 1}

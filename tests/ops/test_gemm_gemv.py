@@ -38,8 +38,10 @@ def layouts(device, dtype, rows, K, N):
 
 
 @pytest.mark.parametrize("backend,device", backend_cases(("triton",)))
-@pytest.mark.parametrize("K,N", [(77, 37), (128, 300)], ids=["odd", "even-k"])
+@pytest.mark.parametrize("K,N", [(77, 37), (None, 300)], ids=["odd", "even-k"])
 def test_one_row_runs_the_few_row_kernel(backend, device, K, N, gemv_calls):
+    # even-k: a multiple of every K tile the device's candidates take (the loop without masks)
+    K = K or (1024 if device == "cuda" else 128)
     for dtype in dtypes_for(backend, device):
         for label, a, b in layouts(device, dtype, 1, K, N):
             for bias, activation, residual in [(None, None, None),
@@ -55,11 +57,12 @@ def test_one_row_runs_the_few_row_kernel(backend, device, K, N, gemv_calls):
 @pytest.mark.parametrize("split", [2, 4])
 def test_split_k_and_forced_rows(backend, device, split, gemv_calls, monkeypatch):
     # gemm.SPLIT_K fixes the slice count: the slices meet through the arrival counts, the last
-    # adds them in order and runs the epilogue. Forced (USE_GEMV True), 3 rows (ROWS 4: a
-    # padded row never stored) take the kernel as well.
+    # adds them in order and runs the epilogue; at 4 slices the last has no K tile (3 of 32 on the
+    # CPU, 9 of 512 on the GPU: slices of 1 and 3 tiles) and still arrives. Forced (USE_GEMV True),
+    # 3 rows (ROWS 4: a padded row never stored) take the kernel as well.
     monkeypatch.setattr(triton_gemm, "SPLIT_K", split)
     monkeypatch.setattr(triton_gemm, "USE_GEMV", True)
-    K, N = (100, 24) if device == "cpu" else (4100, 72)
+    K, N = (70, 24) if device == "cpu" else (4100, 72)
     for rows in (1, 3):
         for label, a, b in layouts(device, torch.float32, rows, K, N):
             bias = torch.randn(N, device=device)
@@ -84,6 +87,32 @@ def test_the_rule(backend, device, gemv_calls, monkeypatch):
         monkeypatch.setattr(triton_gemm, "USE_GEMV", False)
         kf.gemm(a[:1], b)
         assert len(gemv_calls) == 1
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_split_k_inside_a_captured_graph(monkeypatch):
+    # Split-K's arrival counts made during a capture are the graph's own and zeroed on each
+    # replay: two graphs captured one after the other (torch.cuda.graph captures on one stream)
+    # both give the product, replayed in either order.
+    import kernelforge as kf
+
+    monkeypatch.setattr(triton_gemm, "SPLIT_K", 4)
+    monkeypatch.setattr(triton_gemm, "_PLANS", {})
+    a, w = torch.randn(1, 4096, device="cuda"), torch.randn(64, 4096, device="cuda") / 64
+    with kf.use_backend("triton"):
+        kf.gemm(a, w.t())  # compiled before the captures
+        graphs, outs = [], []
+        for _ in range(2):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs.append(kf.gemm(a, w.t()))
+            graphs.append(graph)
+    want = a.double() @ w.double().t()
+    for graph, out in [(graphs[1], outs[1]), (graphs[0], outs[0]), (graphs[1], outs[1])]:
+        out.zero_()
+        graph.replay()
+        torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu
