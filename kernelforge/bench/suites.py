@@ -216,6 +216,53 @@ def _cross_entropy_suite() -> Suite:
                  kernelforge=lambda x, t: kf.cross_entropy(x, t), baselines=_baselines(eager))
 
 
+def _rope_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> tuple:
+    """q (B, H, S, D) and k (B, Hkv, S, D) as transformers makes them (views of (B, S, H, D)
+    projections), and transformers' default angles as one tuple: the runner differentiates
+    tensor inputs only, and rotary angles take no gradient in a model."""
+    batch, heads, kv_heads, seq, dim = shape
+    q = torch.randn(batch, seq, heads, dim, device=device, dtype=dtype).transpose(1, 2)
+    k = torch.randn(batch, seq, kv_heads, dim, device=device, dtype=dtype).transpose(1, 2)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+    freqs = torch.arange(seq, device=device, dtype=torch.float32)[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1).expand(batch, seq, dim)
+    return q, k, (emb.cos().to(dtype), emb.sin().to(dtype))
+
+
+def _rope_cost(shape: Shape, dtype: torch.dtype, direction: str) -> Cost:
+    """q and k read and written once forward; their gradients read and written once backward (the
+    angles, one row a token shared by every head, are noise)."""
+    batch, heads, kv_heads, seq, dim = shape
+    return Cost((2 if direction == "fwd" else 4) * batch * seq * (heads + kv_heads) * dim * dtype.itemsize)
+
+
+def _transformers_rope(q, k, angles):
+    """transformers' apply_rotary_pos_emb (rotate-half), as its models run it eagerly."""
+    cos, sin = (a.unsqueeze(1) for a in angles)
+
+    def rotate_half(x):
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def _liger_rope() -> Fn:
+    from liger_kernel.ops.rope import LigerRopeFunction
+
+    return lambda q, k, angles: LigerRopeFunction.apply(q, k, *angles)
+
+
+def _rope_suite() -> Suite:
+    """Rotary embedding of q and k, (batch, heads, kv heads, seq, head dim): a Llama-3-8B layer's
+    at training and prefill lengths, a d64 GQA model's, then decoding's one token."""
+    return Suite(op="rope", shapes=[(4, 32, 8, 2048, 128), (1, 32, 8, 8192, 128), (8, 16, 4, 2048, 64),
+                                    (1, 32, 8, 1, 128), (8, 32, 8, 1, 128)],
+                 quick_shapes=[(1, 4, 2, 128, 64), (1, 4, 2, 1, 64)], make_inputs=_rope_inputs, cost=_rope_cost,
+                 kernelforge=lambda q, k, angles: kf.rope(q, k, *angles),
+                 baselines=_baselines(_transformers_rope, _liger_rope), peers=LIGER)
+
+
 # Norms and activations: the large target shapes, then the latency shapes.
 ROW_OP_SHAPES = [(16384, 4096), (8192, 16384), (4096, 65536), (1, 4096), (8, 4096), (32, 4096)]
 QUICK_SHAPES = [(256, 4096), (8, 4096)]
@@ -300,6 +347,7 @@ SUITES: dict[str, Suite] = {
     "geglu": _gated_suite("geglu", lambda gate, up: kf.geglu(gate, up, approximate="tanh"),  # Liger's form
                           lambda gate, up: torch.nn.functional.gelu(gate, approximate="tanh") * up, _liger_geglu),
     "cross_entropy": _cross_entropy_suite(),
+    "rope": _rope_suite(),
     **attention_suites(),
     **gemm_suites(),
     **recurrent_suites(),
