@@ -1,0 +1,183 @@
+"""kernelforge.fused_linear_cross_entropy against F.cross_entropy over the whole logits (float64
+as the oracle, PyTorch's float32-loss recipe at the inputs' dtype as the yardstick): every
+option (reductions, ignore_index, label smoothing, softcapping, z-loss, bias), chunks that do
+and do not divide the rows, gradients of x, weight and bias, accumulation over micro-batches,
+NaN for a bad target, the registered ops (opcheck), torch.compile, bad input."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernelforge as kf
+from kernelforge.ops.linear_cross_entropy import default_chunk_rows
+from tests.conftest import backend_cases
+from tests.numerics import assert_matches_oracle
+
+
+def torch_loss(x, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+               softcap=None, z_loss=0.0):
+    """The unfused head and loss: logits at the inputs' dtype, the loss in float32 (float64 for
+    float64), softcap and z-loss written out."""
+    logits = x @ weight.t() if bias is None else x @ weight.t() + bias
+    logits = logits.double() if logits.dtype == torch.float64 else logits.float()
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    flat, t = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+    rows = F.cross_entropy(flat, t, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none")
+    rows = rows + torch.where(t == ignore_index, 0.0, z_loss * torch.logsumexp(flat, -1) ** 2)
+    if reduction == "none":
+        return rows.view(target.shape)
+    return rows.sum() if reduction == "sum" else rows.sum() / (t != ignore_index).sum()
+
+
+def oracle_logits(exact, x):
+    """The largest logit magnitude, in float64."""
+    weight, bias = exact[1].detach(), exact[2]
+    logits = x.double() @ weight.t() + (0 if bias is None else bias.detach())
+    return logits.abs().max().item()
+
+
+def dtypes_for(backend, device):
+    if backend == "reference":
+        return [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+    # the interpreter's bf16 tl.dot is wrong: bf16 Triton GEMMs are GPU-only
+    return [torch.float32, torch.float16] + ([torch.bfloat16] if device == "cuda" else [])
+
+
+OPTIONS = [dict(), dict(reduction="sum", label_smoothing=0.1), dict(reduction="none", softcap=5.0),
+           dict(z_loss=1e-3, ignore_index=3), dict(softcap=3.0, z_loss=1e-4, label_smoothing=0.2)]
+
+
+def check(backend, x, weight, target, bias, chunk_rows, what="", **options):
+    inputs = [x, weight, bias]
+    mine = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
+    same = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
+    exact = [None if t is None else t.detach().double().requires_grad_() for t in inputs]
+    with kf.use_backend(backend):
+        loss = kf.fused_linear_cross_entropy(mine[0], mine[1], target, mine[2], chunk_rows=chunk_rows, **options)
+    yard = torch_loss(same[0], same[1], target, same[2], **options)
+    oracle = torch_loss(exact[0], exact[1], target, exact[2], **options)
+    label = f"{backend} {x.dtype} {what} x{tuple(x.shape)} V{weight.shape[0]} chunk={chunk_rows} {options}"
+    assert loss.dtype == yard.dtype and loss.shape == yard.shape, label
+    # The loss's error model: a row is lse - z_t of logits rounded to x's dtype by the GEMM (ours
+    # and PyTorch's round each logit independently), within about an ulp of the largest logit
+    # each; a sum adds the rows'. So the floor is counted in x's dtype at that scale.
+    logit_scale = 2 * (oracle_logits(exact, x) if x.dtype != torch.float64 else 1.0)
+    rows = target.numel() if options.get("reduction") == "sum" else 1
+    assert_matches_oracle(loss, yard.detach(), oracle.detach(), f"{label} loss", reduced=x.shape[-1],
+                          terms_scale=logit_scale * rows, floor_dtype=x.dtype if x.dtype != torch.float64 else None)
+    grad = torch.randn_like(loss)
+    names = [n for n, t in zip(("x", "weight", "bias"), inputs) if t is not None]
+    with kf.use_backend(backend):
+        got = torch.autograd.grad(loss, [t for t in mine if t is not None], grad)
+    want = torch.autograd.grad(oracle, [t for t in exact if t is not None], grad.double())
+    base = torch.autograd.grad(yard, [t for t in same if t is not None], grad)
+    for name, g, w, b in zip(names, got, want, base):
+        assert g.dtype == b.dtype and g.shape == b.shape, f"{label} grad {name}"
+        # the logits' gradient (|.| <= 1 a row, times the loss's gradient) enters a GEMM over the
+        # vocabulary (x's) or the rows (weight's)
+        scale = grad.abs().max().item() * (x.abs().max().item() + weight.abs().max().item()) * 2
+        assert_matches_oracle(g, b, w, f"{label} grad {name}", reduced=weight.shape[0], terms_scale=scale)
+
+
+@pytest.mark.parametrize("backend,device", backend_cases(("reference", "triton")))
+@pytest.mark.parametrize("options", OPTIONS, ids=["mean", "sum-smoothing", "none-softcap", "zloss-ignore3",
+                                                  "softcap-zloss-smoothing"])
+def test_matches_the_unfused_loss(backend, device, options):
+    # 11 rows in chunks of 4 (a remainder of 3) and in one chunk, 37 classes, hidden 24; some
+    # targets ignored
+    for dtype in dtypes_for(backend, device):
+        x = torch.randn(11, 24, device=device, dtype=dtype)
+        weight = torch.randn(37, 24, device=device, dtype=dtype) / 24 ** 0.5
+        bias = torch.randn(37, device=device, dtype=dtype)
+        target = torch.randint(0, 37, (11,), device=device)
+        target[::4] = options.get("ignore_index", -100)
+        check(backend, x, weight, target, bias, 4, "bias", **options)
+        check(backend, x, weight, target, None, 16, "no bias", **options)
+
+
+@pytest.mark.parametrize("backend,device", backend_cases(("reference", "triton")))
+def test_batched_rows_and_accumulated_gradients(backend, device):
+    # x (batch, tokens, hidden) with target (batch, tokens); two micro-batches' backward passes add
+    # into .grad as the unfused head's do
+    x = torch.randn(2, 5, 16, device=device)
+    weight = torch.randn(29, 16, device=device, requires_grad=True)
+    target = torch.randint(0, 29, (2, 5), device=device)
+    check(backend, x, weight.detach(), target, None, 3, "batched")
+    with kf.use_backend(backend):
+        for half in (slice(0, 1), slice(1, 2)):
+            kf.fused_linear_cross_entropy(x[half], weight, target[half], chunk_rows=3).backward()
+    want = torch.zeros_like(weight)
+    for half in (slice(0, 1), slice(1, 2)):
+        w = weight.detach().clone().requires_grad_()
+        torch_loss(x[half], w, target[half]).backward()
+        want += w.grad
+    torch.testing.assert_close(weight.grad, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend,device", backend_cases(("reference", "triton")))
+def test_bad_target_gives_nan_and_all_ignored_mean_is_nan(backend, device):
+    x, weight = torch.randn(4, 8, device=device), torch.randn(10, 8, device=device)
+    with kf.use_backend(backend):
+        rows = kf.fused_linear_cross_entropy(x, weight, torch.tensor([1, 10, -3, 2], device=device), reduction="none")
+        assert rows[1:3].isnan().all() and not rows[[0, 3]].isnan().any()
+        ignored = torch.full((4,), -100, device=device)
+        assert kf.fused_linear_cross_entropy(x, weight, ignored).isnan()
+        assert kf.fused_linear_cross_entropy(x, weight, ignored, reduction="sum") == 0
+
+
+def test_default_chunk_rows():
+    # about x's own size in logits, a power of two, at least 1, at most the rows
+    assert default_chunk_rows(8192, 128256, 2048) == 256
+    assert default_chunk_rows(8192, 1000, 2048) == 8192
+    assert default_chunk_rows(3, 128256, 16) == 1
+    assert default_chunk_rows(0, 10, 10) == 1
+
+
+@pytest.mark.parametrize("backend,device", backend_cases(("reference", "triton")))
+def test_opcheck(backend, device):
+    x, weight = torch.randn(5, 8, device=device), torch.randn(13, 8, device=device)
+    bias, target = torch.randn(13, device=device), torch.tensor([0, 12, -100, 4, 4], device=device)
+    with kf.use_backend(backend):
+        for args in [(x, weight, target, bias, -100, 0.1, 0.0, 0.0, 2),
+                     (x, weight, target, None, -100, 0.0, 4.0, 1e-3, 8)]:
+            torch.library.opcheck(torch.ops.kernelforge.linear_cross_entropy.default, args)
+            loss, lse = torch.ops.kernelforge.linear_cross_entropy(*args)
+            torch.library.opcheck(torch.ops.kernelforge.linear_cross_entropy_backward.default,
+                                  (torch.randn_like(loss), *args[:4], lse, *args[4:]))
+
+
+def test_compiles_without_graph_breaks():
+    x = torch.randn(6, 8, requires_grad=True)
+    weight = torch.randn(11, 8, requires_grad=True)
+    target = torch.randint(0, 11, (6,))
+
+    def f(x, weight):
+        return kf.fused_linear_cross_entropy(x, weight, target, softcap=4.0, chunk_rows=4)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    got, want = compiled(x, weight), f(x, weight)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(torch.autograd.grad(got, (x, weight)), torch.autograd.grad(want, (x, weight))):
+        torch.testing.assert_close(a, b)
+
+
+def test_bad_input_is_rejected():
+    x, weight, target = torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long)
+    cases = [
+        ((x, weight, target), {"reduction": "avg"}, ValueError, "reduction must be one of"),
+        ((x, weight, target[:3]), {}, ValueError, r"target must have x's shape without its last dim"),
+        ((x, weight.half(), target), {}, RuntimeError, "same dtype"),
+        ((x.int(), weight, target), {}, TypeError, "x must have dtype"),
+        ((x, weight[:, :5], target), {}, RuntimeError, r"weight must be \(vocab, 8\)"),
+        ((x, weight, target.float()), {}, TypeError, "target must be class indices"),
+        ((x, weight, target, torch.randn(9)), {}, RuntimeError, r"bias must be \(10,\)"),
+        ((x, weight, target), {"label_smoothing": 1.5}, ValueError, "label_smoothing must be in"),
+        ((x, weight, target), {"softcap": -1.0}, ValueError, "softcap must be positive"),
+        ((x, weight, target), {"z_loss": -1.0}, ValueError, "z_loss must be >= 0"),
+        ((x, weight, target), {"chunk_rows": 0}, ValueError, "chunk_rows must be >= 1"),
+        ((x, [1.0], target), {}, TypeError, "weight must be a tensor"),
+    ]
+    for args, kwargs, error, message in cases:
+        with pytest.raises(error, match=message):
+            kf.fused_linear_cross_entropy(*args, **kwargs)
