@@ -263,6 +263,42 @@ def _rope_suite() -> Suite:
                  baselines=_baselines(_transformers_rope, _liger_rope), peers=LIGER)
 
 
+def _linear_cross_entropy_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> tuple:
+    """x (rows, hidden), an LM head's weight (vocab, hidden), targets."""
+    rows, hidden, vocab = shape
+    return (torch.randn(rows, hidden, device=device, dtype=dtype),
+            torch.randn(vocab, hidden, device=device, dtype=dtype) / hidden ** 0.5,
+            torch.randint(0, vocab, (rows,), device=device))
+
+
+def _linear_cross_entropy_cost(shape: Shape, dtype: torch.dtype, direction: str) -> Cost:
+    """The head's GEMMs (one forward; three more backward: the logits again, dx, dW) at the
+    matmul ceiling; the weight and x read once per GEMM."""
+    rows, hidden, vocab = shape
+    gemms = 1 if direction == "fwd" else 4
+    return Cost(gemms * (vocab + rows) * hidden * dtype.itemsize, gemms * 2 * rows * hidden * vocab,
+                precision="bf16" if dtype == torch.bfloat16 else None)
+
+
+def _liger_linear_cross_entropy() -> Fn:
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+    return lambda x, w, t: LigerFusedLinearCrossEntropyFunction.apply(x, w, t)
+
+
+def _linear_cross_entropy_suite() -> Suite:
+    """An LM head and its mean loss, (tokens, hidden, vocabulary): Llama-3-1B-like (128k vocabulary)
+    at 8k tokens, Llama-2-7B-like at 4k, GPT-2's at 8k, then a few tokens. The unfused baseline
+    builds the logits and takes PyTorch's float32 recipe of the loss; the runner's memory column
+    is the point."""
+    eager = lambda x, w, t: torch.nn.functional.cross_entropy((x @ w.t()).float(), t)  # noqa: E731
+    return Suite(op="fused_linear_cross_entropy", registry_op="cross_entropy",
+                 shapes=[(8192, 2048, 128256), (4096, 4096, 32000), (8192, 768, 50257), (16, 2048, 128256)],
+                 quick_shapes=[(64, 64, 1000), (4, 64, 1000)], make_inputs=_linear_cross_entropy_inputs,
+                 cost=_linear_cross_entropy_cost, kernelforge=lambda x, w, t: kf.fused_linear_cross_entropy(x, w, t),
+                 baselines=_baselines(eager, _liger_linear_cross_entropy), peers=LIGER)
+
+
 # Norms and activations: the large target shapes, then the latency shapes.
 ROW_OP_SHAPES = [(16384, 4096), (8192, 16384), (4096, 65536), (1, 4096), (8, 4096), (32, 4096)]
 QUICK_SHAPES = [(256, 4096), (8, 4096)]
@@ -348,6 +384,7 @@ SUITES: dict[str, Suite] = {
                           lambda gate, up: torch.nn.functional.gelu(gate, approximate="tanh") * up, _liger_geglu),
     "cross_entropy": _cross_entropy_suite(),
     "rope": _rope_suite(),
+    "fused_linear_cross_entropy": _linear_cross_entropy_suite(),
     **attention_suites(),
     **gemm_suites(),
     **recurrent_suites(),

@@ -40,11 +40,15 @@ from kernelforge.reference._accumulation import accumulation_dtype
 NAME = "fused_linear_cross_entropy"
 
 
+MIN_CHUNK_LOGITS = 1 << 24  # 32 MiB of bf16 logits: below this, chunking saves little and costs launches
+
+
 def default_chunk_rows(rows: int, vocab: int, hidden: int) -> int:
-    """About as many logits a chunk as x has elements (rows x hidden), a power of two: the chunk's
-    logits cost no more memory than the activations already held, and the GEMMs stay large."""
-    per = max(1, -(-vocab // max(hidden, 1)))
-    return max(1, min(rows, 1 << max(0, (-(-rows // per) - 1).bit_length())))
+    """Rows whose logits fit the larger of x's own size (rows x hidden) and MIN_CHUNK_LOGITS, a
+    power of two (at most the rows): the chunk's logits cost no more memory than the activations
+    already held, and the GEMMs stay large."""
+    budget = max(rows * hidden, MIN_CHUNK_LOGITS) // max(vocab, 1)
+    return max(1, min(rows, 1 << (budget.bit_length() - 1) if budget else 1))
 
 
 # ----------------------------------------------------------------------------- checks
@@ -185,7 +189,7 @@ def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: to
     row's loss (PaLM's z-loss). The loss is float32 (float64 for float64 x), accumulated in it;
     gradients of x, weight and bias in their dtypes, added to .grad as any gradient is (gradient
     accumulation over micro-batches works as with the unfused head). chunk_rows: rows of logits
-    alive at once (default: about x's own size in logits, default_chunk_rows). A target outside
+    alive at once (default: about x's own size in logits, 2^24 at least: default_chunk_rows). A target outside
     [0, vocab) that is not ignore_index gives a NaN loss."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"kernelforge.{NAME}: reduction must be one of {REDUCTIONS}, got {reduction!r}")

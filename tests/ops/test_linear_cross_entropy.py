@@ -126,10 +126,12 @@ def test_bad_target_gives_nan_and_all_ignored_mean_is_nan(backend, device):
 
 
 def test_default_chunk_rows():
-    # about x's own size in logits, a power of two, at least 1, at most the rows
-    assert default_chunk_rows(8192, 128256, 2048) == 256
+    # logits of about x's own size (2^24 at least), a power of two, at least 1, at most the rows
+    assert default_chunk_rows(8192, 128256, 2048) == 128
+    assert default_chunk_rows(65536, 128256, 4096) == 2048
     assert default_chunk_rows(8192, 1000, 2048) == 8192
-    assert default_chunk_rows(3, 128256, 16) == 1
+    assert default_chunk_rows(3, 128256, 16) == 3
+    assert default_chunk_rows(100, 10 ** 9, 16) == 1
     assert default_chunk_rows(0, 10, 10) == 1
 
 
