@@ -1,0 +1,132 @@
+"""A transformers Llama's training step with kernelforge, Liger-Kernel or neither, with and without
+torch.compile: wall clock per step (forward, loss, backward, AdamW), peak memory, first loss.
+
+    PYTHONPATH=. python benchmarks/hf_llama_step.py [--size 1b] [--variants eager,compile,kf,liger]
+
+--size 1b: Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 heads over 8 kv heads, SwiGLU 8192,
+a 128256 vocabulary, tied embeddings), random init, batch 4 x 2048 tokens, bf16; --size tiny:
+a few-layer model on the CPU. Variants (each in a process of its own: Liger's patch changes
+transformers' classes for the whole process, kf.patch changes nothing global):
+    eager            the model as transformers builds it
+    kf               kf.patch(model)
+    liger            liger_kernel.transformers.apply_liger_kernel_to_llama(model=model)
+    <any>+compile    then torch.compile(model)
+Each variant's first loss is printed: the same initialization and batch give the same loss.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import torch
+
+SIZES = {
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, batch=4, seq=2048),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1000, batch=2, seq=32),
+}
+VARIANTS = ("eager", "compile", "kf", "kf+compile", "liger", "liger+compile")
+
+
+def build(size: str, device: torch.device, dtype: torch.dtype):
+    """The model (seed 0) and one batch of (input_ids, labels)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = dict(SIZES[size])
+    batch, seq = shape.pop("batch"), shape.pop("seq")
+    config = LlamaConfig(**shape, max_position_embeddings=max(seq, 128), rope_theta=500000.0,
+                         tie_word_embeddings=True, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(device=device, dtype=dtype)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+    return model, ids
+
+
+def run_variant(variant: str, size: str, steps: int, device: torch.device, dtype: torch.dtype) -> dict:
+    """One variant's step time (median of `steps` after two warm-up steps), peak memory, first loss."""
+    model, ids = build(size, device, dtype)
+    base, _, compiled = variant.partition("+")
+    note = ""
+    if base == "kf":
+        import kernelforge as kf
+
+        replaced = kf.patch(model)
+        note = f"{len(replaced)} modules replaced, {len(replaced.skipped)} skipped"
+    elif base == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(model=model)
+    elif base != "eager":
+        raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
+    forward = torch.compile(model) if compiled else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def step() -> float:
+        loss = forward(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    first = float(step())
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    peak = torch.cuda.max_memory_allocated() / 2 ** 20 if device.type == "cuda" else float("nan")
+    return dict(variant=variant, step_ms=times[len(times) // 2] * 1e3, peak_mib=peak, first_loss=first, note=note)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--size", choices=tuple(SIZES), default="1b")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # one variant, run in this process
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    device, dtype = torch.device(args.device), torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    if args.child:
+        print(json.dumps(run_variant(args.child, args.size, args.steps, device, dtype)))
+        return 0
+    results = []
+    for variant in args.variants.split(","):
+        command = [sys.executable, __file__, "--child", variant, "--size", args.size, "--steps", str(args.steps),
+                   "--device", args.device, "--dtype", args.dtype]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            results.append(dict(variant=variant, error=tail[0]))
+        else:
+            results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    eager = next((r["step_ms"] for r in results if r.get("variant") == "eager" and "step_ms" in r), None)
+    print(f"transformers Llama, size {args.size}, {args.dtype}, {device}: train step (forward, loss, backward, AdamW)")
+    print(f"{'variant':16} {'step ms':>9} {'vs eager':>9} {'peak MiB':>9} {'first loss':>11}  note")
+    for r in results:
+        if "error" in r:
+            print(f"{r['variant']:16} failed: {r['error']}")
+            continue
+        ratio = f"{eager / r['step_ms']:.2f}x" if eager else "-"
+        print(f"{r['variant']:16} {r['step_ms']:9.2f} {ratio:>9} {r['peak_mib']:9.0f} {r['first_loss']:11.5f}  {r['note']}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
