@@ -121,7 +121,8 @@ def main(argv=None) -> int:
             print(f"{r['variant']:16} failed: {r['error']}")
             continue
         ratio = f"{eager / r['step_ms']:.2f}x" if eager else "-"
-        print(f"{r['variant']:16} {r['step_ms']:9.2f} {ratio:>9} {r['peak_mib']:9.0f} {r['first_loss']:11.5f}  {r['note']}")
+        print(f"{r['variant']:16} {r['step_ms']:9.2f} {ratio:>9} {r['peak_mib']:9.0f} {r['first_loss']:11.5f}  "
+              f"{r['note']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
