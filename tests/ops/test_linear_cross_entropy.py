@@ -183,3 +183,16 @@ def test_bad_input_is_rejected():
     for args, kwargs, error, message in cases:
         with pytest.raises(error, match=message):
             kf.fused_linear_cross_entropy(*args, **kwargs)
+
+
+def test_module():
+    # kf.nn.FusedLinearCrossEntropyLoss: the function with its options kept; a bad option is
+    # rejected when the module is built
+    x, weight, target = torch.randn(5, 8), torch.randn(12, 8), torch.tensor([1, 2, -100, 11, 0])
+    module = kf.nn.FusedLinearCrossEntropyLoss(reduction="sum", label_smoothing=0.1, softcap=6.0, z_loss=1e-3)
+    want = kf.fused_linear_cross_entropy(x, weight, target, reduction="sum", label_smoothing=0.1, softcap=6.0,
+                                         z_loss=1e-3)
+    torch.testing.assert_close(module(x, weight, target), want)
+    assert "softcap=6.0" in repr(module)
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        kf.nn.FusedLinearCrossEntropyLoss(reduction="avg")
