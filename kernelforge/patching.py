@@ -26,49 +26,23 @@ reported, as is a module with hooks registered on it, which a new module would n
         paths, which would bypass the new modules in eval mode, are turned off.
 A submodule with a method kernelforge_patch(self) -> Optional[str] patches itself: it is called
 (its note is recorded, None meaning nothing changed) and not descended into.
+A Hugging Face transformers model of a family kernelforge.transformers knows (FAMILIES) is
+patched by it instead (RMSNorm, gated MLP, the causal-LM loss; its Linear layers stay cuBLAS's).
 """
 from __future__ import annotations
 
 import warnings
 from collections import Counter
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 from kernelforge import nn as kfnn
+from kernelforge import transformers as kf_transformers
+from kernelforge._replacements import Replacement, Replacements, Skipped
 
 __all__ = ["MultiheadAttention", "Replacement", "Replacements", "Skipped", "patch"]
-
-
-@dataclass(frozen=True)
-class Replacement:
-    """One change patch() made: the module at `name` (qualified, "" for the model itself) was of
-    type `old` and is now `new` (equal when the module was changed in place); `note` says how."""
-    name: str
-    old: str
-    new: str
-    note: str
-
-
-@dataclass(frozen=True)
-class Skipped:
-    """A module patch() found but left as it was, and why."""
-    name: str
-    type: str
-    reason: str
-
-
-class Replacements(list):
-    """patch()'s result: a list of Replacement, with `skipped`, a list of Skipped."""
-
-    def __init__(self, replaced=(), skipped=()):
-        super().__init__(replaced)
-        self.skipped: list[Skipped] = list(skipped)
-
-    def __repr__(self) -> str:
-        return f"Replacements({list(self)!r}, skipped={self.skipped!r})"
 
 
 class MultiheadAttention(kfnn.Attention):
@@ -365,10 +339,14 @@ def patch(model: torch.nn.Module) -> Replacements:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"kernelforge.patch: model must be a torch.nn.Module, got {type(model).__module__}."
                         f"{type(model).__qualname__}")
-    patcher = _Patcher(model)
-    patcher.visit(model, "")
-    if patcher.skipped:
-        listing = "; ".join(f"{s.name or '<model>'} ({s.type}): {s.reason}" for s in patcher.skipped)
-        warnings.warn(f"kernelforge.patch left {len(patcher.skipped)} module(s) as they were: {listing}",
+    if kf_transformers.family(model) is not None:  # a transformers model kernelforge.transformers knows
+        result = kf_transformers.patch(model)
+    else:
+        patcher = _Patcher(model)
+        patcher.visit(model, "")
+        result = Replacements(patcher.replaced, patcher.skipped)
+    if result.skipped:
+        listing = "; ".join(f"{s.name or '<model>'} ({s.type}): {s.reason}" for s in result.skipped)
+        warnings.warn(f"kernelforge.patch left {len(result.skipped)} module(s) as they were: {listing}",
                       stacklevel=2)
-    return Replacements(patcher.replaced, patcher.skipped)
+    return result

@@ -1,0 +1,61 @@
+"""kernelforge for Hugging Face transformers models: kf.patch(model) dispatches here for a model
+of a family listed in FAMILIES (it imports this module only then: kernelforge works without
+transformers). Per instance: only this model's modules change (instance attributes; the classes
+and every other model are left alone), the Parameters and the state_dict stay as they are, and a
+second patch changes nothing.
+
+    model = transformers.LlamaForCausalLM(config)
+    report = kf.patch(model)        # Replacements: what changed, and .skipped: what did not, why
+
+What a family's patch does (kernelforge/transformers/llama.py for the Llama family):
+    RMSNorm        forward -> kf.rms_norm (one kernel, float32 inside, rounded once)
+    gated MLP      forward -> down_proj(kf.swiglu(gate_proj(x), up_proj(x)))
+    attention      transformers' forward with kf.rope for q and k (the attention function stays
+                   the one config._attn_implementation names in transformers' registry)
+    causal-LM loss with labels, the head and the loss -> kf.fused_linear_cross_entropy over the
+                   hidden states (the logits never exist whole; the output's logits are None)
+The Linear layers stay torch's (cuBLAS). The attention and the loss follow transformers' forwards
+(the attention's is a replacement with kf.rope in it; the loss's wraps transformers' own) as the
+versions in TESTED_VERSIONS have them; with another version they are not patched, and the report
+says so.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+TESTED_VERSIONS = ("5.24",)  # transformers major.minor whose causal-LM forward the loss patch was tested on
+FAMILIES = ("llama",)  # config.model_type values patched here
+
+
+def family(model: torch.nn.Module) -> Optional[str]:
+    """The model's family if this module patches it (a transformers model of FAMILIES), else None.
+    Reads the class's module name: no transformers import."""
+    if not type(model).__module__.startswith("transformers."):
+        return None
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return model_type if model_type in FAMILIES else None
+
+
+def transformers_version_tested() -> tuple[bool, str]:
+    """(whether the installed transformers is one of TESTED_VERSIONS, its version)."""
+    import transformers
+
+    version = transformers.__version__
+    return ".".join(version.split(".")[:2]) in TESTED_VERSIONS, version
+
+
+def patch(model: torch.nn.Module):
+    """Patch a model of a supported family in place (see the module docstring); returns
+    kernelforge.patching.Replacements."""
+    name = family(model)
+    if name is None:
+        raise ValueError(f"kernelforge.transformers.patch: {type(model).__qualname__} is not a transformers model of "
+                         f"a supported family {FAMILIES}")
+    from kernelforge.transformers import llama
+
+    return {"llama": llama.patch}[name](model)
+
+
+__all__ = ["FAMILIES", "TESTED_VERSIONS", "family", "patch", "transformers_version_tested"]

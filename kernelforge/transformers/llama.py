@@ -1,0 +1,169 @@
+"""The Llama family's patch (kernelforge.transformers): per instance, forwards of this model's
+RMSNorm, MLP and attention modules, and the causal-LM head's loss.
+
+The attention: transformers' LlamaAttention.forward with kf.rope in place of apply_rotary_pos_emb
+(which transformers calls by its module-level name, so no instance setting reaches it): the
+projections, the cache update and the attention function transformers' registry picks
+(config._attn_implementation) as transformers does them, in the versions of TESTED_VERSIONS; with
+another version the attention is left alone, and the report says so.
+
+The loss: with labels, the causal-LM forward (transformers' own, not a copy) runs with the head
+passing the hidden states through and, for that call, a loss_function (transformers' per-instance
+loss interface) that takes them to kf.fused_linear_cross_entropy with the head's weight, shifting
+the labels and reducing as transformers' ForCausalLMLoss does (mean over the tokens not ignored,
+or a sum over num_items_in_batch under gradient accumulation). The output then has no logits
+(None): they were never made. Without labels, or with return_dict=False, the forward is
+transformers' as it was.
+"""
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+import torch.nn.functional as F
+
+from kernelforge._replacements import Replacement, Replacements, Skipped
+from kernelforge.ops.gated_activations import swiglu
+from kernelforge.ops.linear_cross_entropy import fused_linear_cross_entropy
+from kernelforge.ops.norms import rms_norm
+
+import sys
+
+from kernelforge.ops.rope import rope
+
+MARK = "_kernelforge_patched"  # an instance attribute: the module's forward is kernelforge's
+
+
+def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    if hidden_states.dtype != self.weight.dtype:  # transformers' mixed-dtype promotion, as it was
+        return type(self).forward(self, hidden_states)
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+    """transformers' LlamaAttention.forward (TESTED_VERSIONS), rope by kf.rope (q and k in one kernel)."""
+    if cache is None:
+        cache = kwargs.pop("past_key_values", None)  # the name transformers deprecates for `cache`
+    modeling = sys.modules[type(self).__module__]
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    query, key = rope(query, key, cos, sin)
+    if cache is not None:
+        key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+    attention = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                                modeling.eager_attention_forward)
+    output, weights = attention(self, query, key, value, attention_mask,
+                                dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
+                                **kwargs)
+    return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
+
+
+def _head_forward(self, x: torch.Tensor) -> torch.Tensor:
+    if self.__dict__.get("_kernelforge_pass_hidden"):
+        return x
+    return F.linear(x, self.weight, self.bias)
+
+
+def _causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
+                    shift_labels=None, *, head, **kwargs):
+    """transformers' ForCausalLMLoss over the hidden states (`logits` here: the head passed them)."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    hidden = logits.reshape(-1, logits.shape[-1])
+    target = shift_labels.reshape(-1).to(hidden.device)
+    if num_items_in_batch is None:
+        return fused_linear_cross_entropy(hidden, head.weight, target, head.bias, ignore_index=ignore_index)
+    loss = fused_linear_cross_entropy(hidden, head.weight, target, head.bias, ignore_index=ignore_index,
+                                      reduction="sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def _causal_lm_forward(self, *args, **kwargs):
+    if kwargs.get("labels") is None or kwargs.get("return_dict") is False or "_loss_function" in self.__dict__:
+        return type(self).forward(self, *args, **kwargs)
+    head = self.lm_head
+    self.loss_function = functools.partial(_causal_lm_loss, head=head)
+    head._kernelforge_pass_hidden = True
+    try:
+        out = type(self).forward(self, *args, **kwargs)
+    finally:
+        head._kernelforge_pass_hidden = False
+        del self._loss_function
+    return type(out)(**{key: value for key, value in out.items() if key != "logits"})
+
+
+def _untested_version() -> str | None:
+    """Why forwards that follow transformers' code are not replaced (None: they are)."""
+    from kernelforge.transformers import transformers_version_tested
+
+    tested, version = transformers_version_tested()
+    return None if tested else f"installed {version} was not"
+
+
+def _loss_skip_reason(model) -> str | None:
+    untested = _untested_version()
+    if untested:
+        return f"the fused loss follows transformers' causal-LM forward as tested; {untested}"
+    if type(model).__name__ != "LlamaForCausalLM":
+        return "the fused loss is for LlamaForCausalLM"
+    if type(model.lm_head) is not torch.nn.Linear or model.lm_head._forward_hooks or model.lm_head._forward_pre_hooks:
+        return "the head is not a plain nn.Linear without hooks"
+    if "_loss_function" in model.__dict__ or getattr(model, "loss_type", None) not in (None, "ForCausalLM"):
+        return "the model has a loss function of its own"
+    return None
+
+
+def patch(model: torch.nn.Module) -> Replacements:
+    replaced, skipped = [], []
+
+    def take(name, module, forward, note):
+        if module.__dict__.get(MARK):
+            return
+        if module._forward_hooks or module._forward_pre_hooks:
+            skipped.append(Skipped(name, type(module).__qualname__, "has hooks"))
+            return
+        module.forward = types.MethodType(forward, module)
+        module.__dict__[MARK] = note
+        replaced.append(Replacement(name, type(module).__qualname__, type(module).__qualname__, note))
+
+    untested = _untested_version()
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if kind == "LlamaAttention" and not module.__dict__.get(MARK):
+            if untested:
+                skipped.append(Skipped(name, kind, f"its forward (for kf.rope) follows transformers' as tested; "
+                                                   f"{untested}"))
+            else:
+                take(name, module, _attention_forward, "forward with kf.rope for q and k")
+        elif kind == "LlamaRMSNorm":
+            take(name, module, _rms_norm_forward, "forward -> kf.rms_norm")
+        elif kind == "LlamaMLP":
+            act = getattr(getattr(module, "config", None), "hidden_act", None)
+            if act == "silu" and type(module.act_fn).__name__ in ("SiLU", "SiLUActivation"):
+                take(name, module, _mlp_forward, "forward -> down_proj(kf.swiglu(gate_proj(x), up_proj(x)))")
+            elif not module.__dict__.get(MARK):
+                skipped.append(Skipped(name, kind, f"activation {act!r} ({type(module.act_fn).__name__}), not silu"))
+    if not model.__dict__.get(MARK):
+        reason = _loss_skip_reason(model)
+        if reason is None:
+            take("lm_head", model.lm_head, _head_forward,
+                 "passes the hidden states to the fused loss when labels are given")
+            take("", model, _causal_lm_forward, "loss with labels -> kf.fused_linear_cross_entropy (logits None)")
+        else:
+            skipped.append(Skipped("", type(model).__qualname__, reason))
+        model.__dict__.setdefault(MARK, "patched")
+    return Replacements(replaced, skipped)
+
+
+__all__ = ["patch"]

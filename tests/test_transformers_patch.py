@@ -1,0 +1,109 @@
+"""kf.patch on a transformers Llama (kernelforge.transformers): the patched model computes what the
+unpatched one does (loss, every gradient, logits, generated tokens), keeps its parameters and
+state_dict, reports what it did not patch and why, patches only this instance, and a second patch
+changes nothing. Tiny random configs, float32, CPU (no downloads)."""
+import warnings
+
+import pytest
+import torch
+import transformers  # a test requirement (requirements-test.txt)
+
+import kernelforge as kf
+from kernelforge import transformers as kf_transformers
+
+
+def tiny_llama(seed=0, tie=True):
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                                      max_position_embeddings=64, tie_word_embeddings=tie)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config)
+
+
+def patched(model):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return kf.patch(model)
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_patched_llama_computes_the_same(tie):
+    reference, model = tiny_llama(tie=tie), tiny_llama(tie=tie)
+    report = patched(model)
+    names = {r.name for r in report}
+    assert {"model.layers.0.mlp", "model.layers.0.self_attn", "model.layers.1.input_layernorm", "model.norm",
+            "lm_head", ""} <= names
+    assert report.skipped == []
+    ids = torch.randint(0, 300, (2, 16))
+    labels = ids.clone()
+    labels[0, :5] = -100
+    want, got = reference(input_ids=ids, labels=labels), model(input_ids=ids, labels=labels)
+    assert got.logits is None  # never made: the fused loss took the hidden states
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    want.loss.backward()
+    got.loss.backward()
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+    # without labels the logits are transformers' own; generate() picks the same tokens
+    torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+    prompt = ids[:1, :6]
+    assert torch.equal(model.generate(prompt, max_new_tokens=6, do_sample=False),
+                       reference.generate(prompt, max_new_tokens=6, do_sample=False))
+
+
+def test_gradient_accumulation_and_tuple_outputs():
+    # num_items_in_batch (transformers' Trainer under gradient accumulation): a sum over that
+    # count; return_dict=False runs transformers' own forward, logits included
+    reference, model = tiny_llama(), tiny_llama()
+    patched(model)
+    ids = torch.randint(0, 300, (2, 12))
+    count = torch.tensor(40)
+    want = reference(input_ids=ids, labels=ids, num_items_in_batch=count).loss
+    torch.testing.assert_close(model(input_ids=ids, labels=ids, num_items_in_batch=count).loss, want)
+    loss, logits = model(input_ids=ids, labels=ids, return_dict=False)[:2]
+    torch.testing.assert_close(loss, reference(input_ids=ids, labels=ids).loss)
+    assert logits.shape == (2, 12, 300)
+
+
+def test_parameters_state_dict_and_a_second_patch():
+    model = tiny_llama()
+    before = model.state_dict()
+    params = list(model.parameters())
+    patched(model)
+    after = model.state_dict()
+    assert list(after) == list(before) and all(after[k] is before[k] or torch.equal(after[k], before[k])
+                                               for k in before)
+    assert all(a is b for a, b in zip(model.parameters(), params))
+    second = patched(model)
+    assert second == [] and second.skipped == []
+
+
+def test_only_this_instance_is_patched():
+    model, other = tiny_llama(), tiny_llama()
+    patched(model)
+    later = tiny_llama()
+    for untouched in (other, later):
+        assert all("forward" not in m.__dict__ for m in untouched.modules())
+    assert "forward" in model.model.norm.__dict__
+    assert type(model.model.norm).forward is type(other.model.norm).forward
+
+
+def test_the_report_says_what_was_not_patched(monkeypatch):
+    # a transformers version the forwards were not tested with: the attention and the loss are left
+    # alone, and the report (and its warning) says so; the norms and the MLP are patched
+    monkeypatch.setattr(kf_transformers, "transformers_version_tested", lambda: (False, "9.9.9"))
+    model = tiny_llama()
+    with pytest.warns(UserWarning, match="installed 9.9.9 was not"):
+        report = kf.patch(model)
+    names = {r.name for r in report}
+    assert "" not in names and "model.layers.0.self_attn" not in names and "model.norm" in names
+    assert {s.name for s in report.skipped} == {"", "model.layers.0.self_attn", "model.layers.1.self_attn"}
+    ids = torch.randint(0, 300, (1, 8))
+    assert model(input_ids=ids, labels=ids).logits is not None
+
+
+def test_family():
+    assert kf_transformers.family(tiny_llama()) == "llama"
+    assert kf_transformers.family(torch.nn.Linear(2, 2)) is None
+    with pytest.raises(ValueError, match="not a transformers model of a supported family"):
+        kf_transformers.patch(torch.nn.Linear(2, 2))
