@@ -107,3 +107,19 @@ def test_family():
     assert kf_transformers.family(torch.nn.Linear(2, 2)) is None
     with pytest.raises(ValueError, match="not a transformers model of a supported family"):
         kf_transformers.patch(torch.nn.Linear(2, 2))
+
+
+def test_compiles_without_graph_breaks():
+    # the patch adds no graph break: the whole training loss traces as one graph, and gives
+    # the unpatched model's loss and gradients
+    reference, model = tiny_llama(), tiny_llama()
+    patched(model)
+    ids = torch.randint(0, 300, (2, 16))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda ids: model(input_ids=ids, labels=ids).loss, backend="aot_eager", fullgraph=True)
+    got, want = compiled(ids), reference(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(got, want)
+    got.backward()
+    want.backward()
+    for a, b in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6)
