@@ -63,6 +63,12 @@ def test_gradient_accumulation_and_tuple_outputs():
     loss, logits = model(input_ids=ids, labels=ids, return_dict=False)[:2]
     torch.testing.assert_close(loss, reference(input_ids=ids, labels=ids).loss)
     assert logits.shape == (2, 12, 300)
+    # in eval mode the logits come with the loss (evaluation metrics read them)
+    model.eval()
+    reference.eval()
+    out = model(input_ids=ids, labels=ids)
+    torch.testing.assert_close(out.loss, reference(input_ids=ids, labels=ids).loss)
+    torch.testing.assert_close(out.logits, reference(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
 
 
 def test_parameters_state_dict_and_a_second_patch():

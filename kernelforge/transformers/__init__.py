@@ -13,7 +13,7 @@ What a family's patch does (kernelforge/transformers/llama.py for the Llama fami
     attention      transformers' forward with kf.rope for q and k (the attention function stays
                    the one config._attn_implementation names in transformers' registry)
     causal-LM loss with labels, the head and the loss -> kf.fused_linear_cross_entropy over the
-                   hidden states (the logits never exist whole; the output's logits are None)
+                   hidden states in training (the logits never exist whole; the output's logits are None)
 The Linear layers stay torch's (cuBLAS). The attention and the loss follow transformers' forwards
 (the attention's is a replacement with kf.rope in it; the loss's wraps transformers' own) as the
 versions in TESTED_VERSIONS have them; with another version they are not patched, and the report

@@ -12,8 +12,8 @@ passing the hidden states through and, for that call, a loss_function (transform
 loss interface) that takes them to kf.fused_linear_cross_entropy with the head's weight, shifting
 the labels and reducing as transformers' ForCausalLMLoss does (mean over the tokens not ignored,
 or a sum over num_items_in_batch under gradient accumulation). The output then has no logits
-(None): they were never made. Without labels, or with return_dict=False, the forward is
-transformers' as it was.
+(None): they were never made. In training only (as Liger-Kernel's does): in eval mode, without
+labels, or with return_dict=False, the forward is transformers' as it was.
 """
 from __future__ import annotations
 
@@ -90,7 +90,8 @@ def _causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ig
 
 
 def _causal_lm_forward(self, *args, **kwargs):
-    if kwargs.get("labels") is None or kwargs.get("return_dict") is False or "_loss_function" in self.__dict__:
+    if (not self.training or kwargs.get("labels") is None or kwargs.get("return_dict") is False
+            or "_loss_function" in self.__dict__):  # evaluation keeps its logits (metrics read them)
         return type(self).forward(self, *args, **kwargs)
     head = self.lm_head
     self.loss_function = functools.partial(_causal_lm_loss, head=head)
