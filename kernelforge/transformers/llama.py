@@ -18,6 +18,7 @@ labels, or with return_dict=False, the forward is transformers' as it was.
 from __future__ import annotations
 
 import functools
+import sys
 import types
 
 import torch
@@ -27,9 +28,6 @@ from kernelforge._replacements import Replacement, Replacements, Skipped
 from kernelforge.ops.gated_activations import swiglu
 from kernelforge.ops.linear_cross_entropy import fused_linear_cross_entropy
 from kernelforge.ops.norms import rms_norm
-
-import sys
-
 from kernelforge.ops.rope import rope
 
 MARK = "_kernelforge_patched"  # an instance attribute: the module's forward is kernelforge's
