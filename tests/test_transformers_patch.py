@@ -12,12 +12,23 @@ import kernelforge as kf
 from kernelforge import transformers as kf_transformers
 
 
-def tiny_llama(seed=0, tie=True):
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
-                                      max_position_embeddings=64, tie_word_embeddings=tie)
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=300, max_position_embeddings=64)
+# each family's causal LM at a tiny size; Mistral with a sliding window shorter than the batch's
+# sequence, Qwen3 with its q / k norms
+FAMILY_MODELS = {
+    "llama": lambda tie: transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE, tie_word_embeddings=tie)),
+    "mistral": lambda tie: transformers.MistralForCausalLM(transformers.MistralConfig(
+        **SHAPE, sliding_window=8, tie_word_embeddings=tie)),
+    "qwen2": lambda tie: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SHAPE, tie_word_embeddings=tie)),
+    "qwen3": lambda tie: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        **SHAPE, head_dim=16, tie_word_embeddings=tie)),
+}
+
+
+def tiny_llama(seed=0, tie=True, family="llama"):
     torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config)
+    return FAMILY_MODELS[family](tie)
 
 
 def patched(model):
@@ -26,13 +37,16 @@ def patched(model):
         return kf.patch(model)
 
 
-@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
-def test_patched_llama_computes_the_same(tie):
-    reference, model = tiny_llama(tie=tie), tiny_llama(tie=tie)
+@pytest.mark.parametrize("family,tie", [("llama", True), ("llama", False), ("mistral", True), ("qwen2", False),
+                                        ("qwen3", True)])
+def test_patched_model_computes_the_same(family, tie):
+    reference, model = tiny_llama(tie=tie, family=family), tiny_llama(tie=tie, family=family)
     report = patched(model)
     names = {r.name for r in report}
     assert {"model.layers.0.mlp", "model.layers.0.self_attn", "model.layers.1.input_layernorm", "model.norm",
             "lm_head", ""} <= names
+    if family == "qwen3":
+        assert "model.layers.0.self_attn.q_norm" in names
     assert report.skipped == []
     ids = torch.randint(0, 300, (2, 16))
     labels = ids.clone()
@@ -109,7 +123,13 @@ def test_the_report_says_what_was_not_patched(monkeypatch):
 
 
 def test_family():
-    assert kf_transformers.family(tiny_llama()) == "llama"
+    from kernelforge.transformers import llama
+
+    assert kf_transformers.FAMILIES == tuple(llama.FAMILIES)
+    for family in FAMILY_MODELS:
+        assert kf_transformers.family(tiny_llama(family=family)) == family
+    assert kf_transformers.family(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32,
+                                                                                        n_head=2))) is None
     assert kf_transformers.family(torch.nn.Linear(2, 2)) is None
     with pytest.raises(ValueError, match="not a transformers model of a supported family"):
         kf_transformers.patch(torch.nn.Linear(2, 2))

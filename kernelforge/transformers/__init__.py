@@ -7,7 +7,7 @@ second patch changes nothing.
     model = transformers.LlamaForCausalLM(config)
     report = kf.patch(model)        # Replacements: what changed, and .skipped: what did not, why
 
-What a family's patch does (kernelforge/transformers/llama.py for the Llama family):
+What a family's patch does (kernelforge/transformers/llama.py for Llama, Mistral, Qwen2, Qwen3):
     RMSNorm        forward -> kf.rms_norm (one kernel, float32 inside, rounded once)
     gated MLP      forward -> down_proj(kf.swiglu(gate_proj(x), up_proj(x)))
     attention      transformers' forward with kf.rope for q and k (the attention function stays
@@ -26,7 +26,9 @@ from typing import Optional
 import torch
 
 TESTED_VERSIONS = ("5.24",)  # transformers major.minor whose causal-LM forward the loss patch was tested on
-FAMILIES = ("llama",)  # config.model_type values patched here
+# config.model_type values patched here (kernelforge/transformers/llama.py: Llama and the families
+# transformers derives from it with the same modules)
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def family(model: torch.nn.Module) -> Optional[str]:
@@ -55,7 +57,7 @@ def patch(model: torch.nn.Module):
                          f"a supported family {FAMILIES}")
     from kernelforge.transformers import llama
 
-    return {"llama": llama.patch}[name](model)
+    return llama.patch(model, name)
 
 
 __all__ = ["FAMILIES", "TESTED_VERSIONS", "family", "patch", "transformers_version_tested"]

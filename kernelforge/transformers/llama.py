@@ -1,5 +1,9 @@
-"""The Llama family's patch (kernelforge.transformers): per instance, forwards of this model's
-RMSNorm, MLP and attention modules, and the causal-LM head's loss.
+"""The patch of Llama and the families transformers derives from it with the same norm, MLP,
+attention and causal-LM head (FAMILIES: Mistral, Qwen2, Qwen3; kernelforge.transformers
+dispatches here): per instance, forwards of this model's RMSNorm, MLP and attention modules, and
+the causal-LM head's loss. The families differ in what their attention adds: a sliding window
+handed to the attention function (Mistral from the config, Qwen2 / Qwen3 per layer), RMSNorms on
+q and k over the head dim before the rotation (Qwen3).
 
 The attention: transformers' LlamaAttention.forward with kf.rope in place of apply_rotary_pos_emb
 (which transformers calls by its module-level name, so no instance setting reaches it): the
@@ -20,6 +24,8 @@ from __future__ import annotations
 import functools
 import sys
 import types
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +39,18 @@ from kernelforge.ops.rope import rope
 MARK = "_kernelforge_patched"  # an instance attribute: the module's forward is kernelforge's
 
 
+@dataclass(frozen=True)
+class Family:
+    prefix: str  # the class names' prefix: <prefix>RMSNorm, <prefix>MLP, <prefix>Attention, <prefix>ForCausalLM
+    window: Optional[str] = None  # the sliding window the attention passes on: "config", "module" or none
+    qk_norm: bool = False  # q_norm / k_norm over the head dim before the rotation
+
+
+# config.model_type -> what its transformers modeling code does (transformers 5.24)
+FAMILIES = {"llama": Family("Llama"), "mistral": Family("Mistral", window="config"),
+            "qwen2": Family("Qwen2", window="module"), "qwen3": Family("Qwen3", window="module", qk_norm=True)}
+
+
 def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     if hidden_states.dtype != self.weight.dtype:  # transformers' mixed-dtype promotion, as it was
         return type(self).forward(self, hidden_states)
@@ -43,20 +61,28 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
-def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
-    """transformers' LlamaAttention.forward (TESTED_VERSIONS), rope by kf.rope (q and k in one kernel)."""
+def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, *, family,
+                       **kwargs):
+    """transformers' <family>Attention.forward (TESTED_VERSIONS), rope by kf.rope (q and k in one kernel)."""
     if cache is None:
         cache = kwargs.pop("past_key_values", None)  # the name transformers deprecates for `cache`
     modeling = sys.modules[type(self).__module__]
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
-    query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    query = self.q_proj(hidden_states).view(hidden_shape)
+    key = self.k_proj(hidden_states).view(hidden_shape)
+    if family.qk_norm:
+        query, key = self.q_norm(query), self.k_norm(key)
+    query, key = query.transpose(1, 2), key.transpose(1, 2)
     value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
     cos, sin = position_embeddings
     query, key = rope(query, key, cos, sin)
     if cache is not None:
         key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+    if family.window == "config":
+        kwargs["sliding_window"] = getattr(self.config, "sliding_window", None)
+    elif family.window == "module":
+        kwargs["sliding_window"] = self.sliding_window
     attention = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
                                                                 modeling.eager_attention_forward)
     output, weights = attention(self, query, key, value, attention_mask,
@@ -110,12 +136,12 @@ def _untested_version() -> str | None:
     return None if tested else f"installed {version} was not"
 
 
-def _loss_skip_reason(model) -> str | None:
+def _loss_skip_reason(model, family: Family) -> str | None:
     untested = _untested_version()
     if untested:
         return f"the fused loss follows transformers' causal-LM forward as tested; {untested}"
-    if type(model).__name__ != "LlamaForCausalLM":
-        return "the fused loss is for LlamaForCausalLM"
+    if type(model).__name__ != f"{family.prefix}ForCausalLM":
+        return f"the fused loss is for {family.prefix}ForCausalLM"
     if type(model.lm_head) is not torch.nn.Linear or model.lm_head._forward_hooks or model.lm_head._forward_pre_hooks:
         return "the head is not a plain nn.Linear without hooks"
     if "_loss_function" in model.__dict__ or getattr(model, "loss_type", None) not in (None, "ForCausalLM"):
@@ -123,7 +149,8 @@ def _loss_skip_reason(model) -> str | None:
     return None
 
 
-def patch(model: torch.nn.Module) -> Replacements:
+def patch(model: torch.nn.Module, model_type: str) -> Replacements:
+    family = FAMILIES[model_type]
     replaced, skipped = [], []
 
     def take(name, module, forward, note):
@@ -139,22 +166,23 @@ def patch(model: torch.nn.Module) -> Replacements:
     untested = _untested_version()
     for name, module in model.named_modules():
         kind = type(module).__name__
-        if kind == "LlamaAttention" and not module.__dict__.get(MARK):
+        if kind == f"{family.prefix}Attention" and not module.__dict__.get(MARK):
             if untested:
                 skipped.append(Skipped(name, kind, f"its forward (for kf.rope) follows transformers' as tested; "
                                                    f"{untested}"))
             else:
-                take(name, module, _attention_forward, "forward with kf.rope for q and k")
-        elif kind == "LlamaRMSNorm":
+                take(name, module, functools.partial(_attention_forward, family=family),
+                     "forward with kf.rope for q and k")
+        elif kind == f"{family.prefix}RMSNorm":
             take(name, module, _rms_norm_forward, "forward -> kf.rms_norm")
-        elif kind == "LlamaMLP":
+        elif kind == f"{family.prefix}MLP":
             act = getattr(getattr(module, "config", None), "hidden_act", None)
             if act == "silu" and type(module.act_fn).__name__ in ("SiLU", "SiLUActivation"):
                 take(name, module, _mlp_forward, "forward -> down_proj(kf.swiglu(gate_proj(x), up_proj(x)))")
             elif not module.__dict__.get(MARK):
                 skipped.append(Skipped(name, kind, f"activation {act!r} ({type(module.act_fn).__name__}), not silu"))
     if not model.__dict__.get(MARK):
-        reason = _loss_skip_reason(model)
+        reason = _loss_skip_reason(model, family)
         if reason is None:
             take("lm_head", model.lm_head, _head_forward,
                  "passes the hidden states to the fused loss when labels are given")
@@ -165,4 +193,4 @@ def patch(model: torch.nn.Module) -> Replacements:
     return Replacements(replaced, skipped)
 
 
-__all__ = ["patch"]
+__all__ = ["FAMILIES", "Family", "patch"]
