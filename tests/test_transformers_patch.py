@@ -10,6 +10,7 @@ import transformers  # a test requirement (requirements-test.txt)
 
 import kernelforge as kf
 from kernelforge import transformers as kf_transformers
+from tests.conftest import needs_cuda
 
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -149,3 +150,20 @@ def test_compiles_without_graph_breaks():
     want.backward()
     for a, b in zip(reference.parameters(), model.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("family", list(FAMILY_MODELS))
+def test_patched_model_on_the_gpu(family):
+    # the GPU kernels in the patched model (Triton rope, RMSNorm, SwiGLU, the fused loss's GEMMs
+    # and loss kernels), float32: loss and every gradient as the unpatched model's
+    reference, model = (tiny_llama(family=family).cuda() for _ in range(2))
+    patched(model)
+    ids = torch.randint(0, 300, (2, 16), device="cuda")
+    want, got = reference(input_ids=ids, labels=ids).loss, model(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    want.backward()
+    got.backward()
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-3, atol=1e-5, msg=name)
