@@ -8,6 +8,14 @@ from kernelforge.ops.cross_entropy import REDUCTIONS, cross_entropy
 from kernelforge.ops.linear_cross_entropy import fused_linear_cross_entropy
 
 
+def _check_options(module: str, reduction: str, label_smoothing: float) -> None:
+    """A loss module's options checked when it is built, not at its first call."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{module}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{module}: label_smoothing must be in [0, 1], got {label_smoothing}")
+
+
 class CrossEntropyLoss(torch.nn.Module):
     """torch.nn.CrossEntropyLoss with class-index targets on kernelforge's op (no class weights,
     no probability targets). The loss is float32 whatever the logits' dtype (see
@@ -15,10 +23,7 @@ class CrossEntropyLoss(torch.nn.Module):
 
     def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0):
         super().__init__()
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"CrossEntropyLoss: reduction must be one of {REDUCTIONS}, got {reduction!r}")
-        if not 0.0 <= label_smoothing <= 1.0:
-            raise ValueError(f"CrossEntropyLoss: label_smoothing must be in [0, 1], got {label_smoothing}")
+        _check_options("CrossEntropyLoss", reduction, label_smoothing)
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -37,10 +42,7 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
     def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                  softcap: Optional[float] = None, z_loss: float = 0.0):
         super().__init__()
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"FusedLinearCrossEntropyLoss: reduction must be one of {REDUCTIONS}, got {reduction!r}")
-        if not 0.0 <= label_smoothing <= 1.0:
-            raise ValueError(f"FusedLinearCrossEntropyLoss: label_smoothing must be in [0, 1], got {label_smoothing}")
+        _check_options("FusedLinearCrossEntropyLoss", reduction, label_smoothing)
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
         self.softcap, self.z_loss = softcap, z_loss
 

@@ -57,3 +57,19 @@ def check_same(op: str, what: str, names: Sequence[str], values: Sequence[object
         if not v == first:
             raise RuntimeError(f"kernelforge.{op}: expected {', '.join(names)} to have the same {what}, got "
                                + ", ".join(f"{n}: {v}" for n, v in zip(names, values)))
+
+
+# ----------------------------------------------------------------------------- backend support
+def triton_floats(t: torch.Tensor, *args, **options):
+    """The support predicate of a Triton backend whose kernels take the first input in float32,
+    float16 or bfloat16 on any device Triton runs on (None: supported, else why not)."""
+    from kernelforge.triton import why_unavailable
+
+    if t.dtype not in GPU_FLOAT_DTYPES:
+        return f"Triton kernels take float32/float16/bfloat16, got {t.dtype}"
+    return why_unavailable(t.device)
+
+
+def any_inputs(*args, **options):
+    """The support predicate of a reference backend: every input (None: supported)."""
+    return None

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from kernelforge import backends
-from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, require
+from kernelforge.ops._common import FLOAT_DTYPES, any_inputs, check_floating, check_same, require, triton_floats
 from kernelforge.ops._opdef import define_op
 from kernelforge.reference._accumulation import accumulation_dtype
 from kernelforge.reference.cross_entropy import target_masks
@@ -33,18 +33,6 @@ REDUCTIONS = ("mean", "sum", "none")
 
 
 # ----------------------------------------------------------------------------- dispatch
-def _why_not_triton(logits: torch.Tensor):
-    from kernelforge.triton import why_unavailable
-
-    if logits.dtype not in GPU_FLOAT_DTYPES:
-        return f"Triton kernels take float32/float16/bfloat16, got {logits.dtype}"
-    return why_unavailable(logits.device)
-
-
-def _why_not_reference(logits: torch.Tensor):
-    return None
-
-
 def _preference(logits: torch.Tensor):
     if logits.device.type != "cuda":
         return ("reference",), "the reference is the CPU implementation"
@@ -57,8 +45,8 @@ def _choice_key(logits: torch.Tensor):
     return logits.device.type, logits.dtype
 
 
-backends.register(OP, "triton", "kernelforge.triton.cross_entropy", _why_not_triton)
-backends.register(OP, "reference", "kernelforge.reference.cross_entropy", _why_not_reference)
+backends.register(OP, "triton", "kernelforge.triton.cross_entropy", triton_floats)
+backends.register(OP, "reference", "kernelforge.reference.cross_entropy", any_inputs)
 backends.set_preference(OP, _preference, _choice_key)
 
 

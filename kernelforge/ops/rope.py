@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from kernelforge import backends
-from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, require
+from kernelforge.ops._common import FLOAT_DTYPES, any_inputs, check_floating, check_same, require, triton_floats
 from kernelforge.ops._opdef import define_op
 from kernelforge.reference.rope import angle_gradients, token_angles
 from kernelforge.reference._accumulation import accumulation_dtype
@@ -26,26 +26,14 @@ ROPE_OP = "rope"
 _INTEGER_DTYPES = (torch.int32, torch.int64)
 
 
-def _why_not_triton(q: torch.Tensor):
-    from kernelforge.triton import why_unavailable
-
-    if q.dtype not in GPU_FLOAT_DTYPES:
-        return f"Triton kernels take float32/float16/bfloat16, got {q.dtype}"
-    return why_unavailable(q.device)
-
-
-def _why_not_reference(q: torch.Tensor):
-    return None
-
-
 def _preference(q: torch.Tensor):
     if q.device.type != "cuda":
         return ("reference",), "the reference is the CPU implementation"
     return ("triton", "reference"), "Triton is rope's GPU implementation (one kernel for q and k)"
 
 
-backends.register(ROPE_OP, "triton", "kernelforge.triton.rope", _why_not_triton)
-backends.register(ROPE_OP, "reference", "kernelforge.reference.rope", _why_not_reference)
+backends.register(ROPE_OP, "triton", "kernelforge.triton.rope", triton_floats)
+backends.register(ROPE_OP, "reference", "kernelforge.reference.rope", any_inputs)
 backends.set_preference(ROPE_OP, _preference, lambda q: (q.device.type, q.dtype))
 
 
