@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-TESTED_VERSIONS = ("5.24",)  # transformers major.minor whose causal-LM forward the loss patch was tested on
+TESTED_VERSIONS = ("5.17", "5.24")  # transformers major.minor whose causal-LM forward the loss patch was tested on
 # config.model_type values patched here (kernelforge/transformers/llama.py: Llama and the families
 # transformers derives from it with the same modules)
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
