@@ -49,7 +49,7 @@ def main() -> None:
                 err = (call().float() - expected_grad).abs().max().item()
             else:
                 def call():
-                    return cross_entropy_forward_rows(logits, target, -100, 0.0, cfg)
+                    return cross_entropy_forward_rows(logits, target, -100, 0.0, config=cfg)
                 err = (call()[1] - expected_lse).abs().max().item()
             t = time_function(call, device, warmup=5, repeat=30)
             gbps = (2 if backward else 1) * nbytes / (t.median_ms * 1e-3) / 1e9

@@ -10,20 +10,24 @@ Registered ops (each with a fake; the first with autograd):
         Tensor target, Tensor? bias, Tensor lse, SymInt ignore_index, float label_smoothing,
         float softcap, float z_loss, int chunk_rows) -> (Tensor grad_x, Tensor grad_weight, Tensor grad_bias)
 
-Both walk the rows in chunks of chunk_rows: a chunk's logits z = x_c W^T + b (kf.gemm), capped
-(c tanh(z / c), Gemma 2's softcapping, in float32), go through the cross-entropy kernels (loss and
-lse forward; the logits' gradient backward, with the z-loss term z_loss * lse^2 and the cap's
-derivative 1 - tanh^2 applied to it), then the backward's two GEMMs: grad_x of the chunk's rows,
-and grad_weight accumulated in float32 through the GEMM's residual epilogue. The backward computes
-the chunk's logits again rather than keeping them: memory is one chunk's logits (and its
-gradient), not the whole (rows x vocabulary), at the price of a fourth GEMM of the head's three.
-Bytes a chunk: W once per GEMM (V x H), the chunk's logits written and read a few times (C x V);
-FLOPs 2 C V H per GEMM.
+The forward walks the rows in chunks of chunk_rows: a chunk's logits z = x_c W^T + b (kf.gemm)
+go through the cross-entropy forward kernel, which caps them (c tanh(z / c), Gemma 2's
+softcapping) and adds the z-loss as it reads them: loss and lse a row. Memory: one chunk's logits.
 
-The backends are those of kf.gemm and kf.cross_entropy (each picks its own: use_backend forces
-both); on a CPU their references. Not yet one kernel: the chunk's logits make a round trip
-through memory between the GEMM and the loss kernels, and softcap / z-loss add torch passes over
-the chunk.
+The backward computes the logits again rather than keeping them (or their gradient, as a forward
+that computes the gradients does: V x H of float32 accumulator alive from the forward to the
+backward), one slice of the vocabulary at a time, over every row (blocks of rows only where the
+rows alone would exceed the memory): z_s = x W_s^T + b_s; the cross-entropy backward kernel
+writes the logits' gradient over z_s in place (with the cap's derivative and the z-loss term);
+then grad_W_s = dz_s^T x, a GEMM over all rows that accumulates in float32 and is rounded once,
+and grad_x += dz_s W_s into a float32 accumulator (rows x H). So the backward holds chunk_rows x
+vocab logits too, plus the float32 grad_x.
+Bytes and FLOPs: 2 R V H a GEMM, four of them (the forward's, the recomputation, grad_W, grad_x:
+one more than the head's three, for memory); W read once a forward chunk and three times a
+backward slice; the logits written and read twice each in R V elements.
+
+The backends are those of kf.gemm and of the cross-entropy kernels (kernelforge.ops.cross_entropy's
+choice; use_backend forces both); on a CPU their references.
 """
 from __future__ import annotations
 
@@ -31,24 +35,43 @@ from typing import Optional
 
 import torch
 
+from kernelforge import backends
 from kernelforge.ops._common import FLOAT_DTYPES, check_floating, check_same, require
 from kernelforge.ops._opdef import define_op
-from kernelforge.ops.cross_entropy import REDUCTIONS, TARGET_DTYPES, cross_entropy_backward_op, cross_entropy_op
-from kernelforge.ops.gemm import gemm
+from kernelforge.ops.cross_entropy import OP as CROSS_ENTROPY_OP
+from kernelforge.ops.cross_entropy import REDUCTIONS, TARGET_DTYPES
+from kernelforge.ops.gemm import OP as GEMM_OP
+from kernelforge.ops.gemm import gemm, resolve_compute
 from kernelforge.reference._accumulation import accumulation_dtype
 
 NAME = "fused_linear_cross_entropy"
 
 
-MIN_CHUNK_LOGITS = 1 << 24  # 32 MiB of bf16 logits: below this, chunking saves little and costs launches
+MIN_CHUNK_LOGITS = 1 << 26  # 128 MiB of bf16 logits: a chunk of 512 rows at a 128k vocabulary, where the
+# GEMM streaming W for it is at its compute peak (measured: 256 rows 0.85x the rate of 1024)
+MIN_SLICE_CLASSES = 4096  # the backward's vocabulary slices: narrower ones make the GEMMs' grad_x sum slow
 
 
 def default_chunk_rows(rows: int, vocab: int, hidden: int) -> int:
     """Rows whose logits fit the larger of x's own size (rows x hidden) and MIN_CHUNK_LOGITS, a
-    power of two (at most the rows): the chunk's logits cost no more memory than the activations
-    already held, and the GEMMs stay large."""
+    power of two (at most the rows): the chunk's logits cost little memory next to the
+    activations already held, and the GEMMs stay large."""
     budget = max(rows * hidden, MIN_CHUNK_LOGITS) // max(vocab, 1)
     return max(1, min(rows, 1 << (budget.bit_length() - 1) if budget else 1))
+
+
+def backward_blocks(rows: int, vocab: int, chunk_rows: int) -> tuple[int, int]:
+    """(rows, classes) of the backward's blocks of logits: chunk_rows x vocab elements at most
+    (the forward's memory), all rows in one block where a slice of MIN_SLICE_CLASSES allows it
+    (grad_W is then written once, not accumulated), slices a multiple of 128 classes."""
+    budget = max(chunk_rows, 1) * vocab
+    if rows * vocab <= budget:
+        return rows, vocab
+    min_classes = min(vocab, MIN_SLICE_CLASSES)
+    blocks = -(-rows // max(1, budget // min_classes))  # as few row blocks as the budget allows, of even size
+    row_block = -(-rows // blocks)
+    classes = budget // row_block
+    return row_block, min(vocab, max(min_classes, classes - classes % 128))
 
 
 # ----------------------------------------------------------------------------- checks
@@ -83,14 +106,15 @@ def _check(name, x, weight, target, bias, label_smoothing, softcap, z_loss, chun
         raise ValueError(f"kernelforge.{name}: chunk_rows must be >= 1, got {chunk_rows}")
 
 
-# ----------------------------------------------------------------------------- one chunk
-def _logits(x_c, weight, bias, softcap: float):
-    """(the chunk's logits as the loss sees them, tanh(z / cap) or None)."""
-    z = gemm(x_c, weight.t(), bias=bias)  # W read transposed in place
-    if not softcap:
-        return z, None
-    t = torch.tanh(z.to(accumulation_dtype(z.dtype)) / softcap)
-    return softcap * t, t
+# ----------------------------------------------------------------------------- forward, backward
+def _kernels(logits: torch.Tensor):
+    return backends.select(CROSS_ENTROPY_OP, logits).implementation.launchers()
+
+
+def _choose(x, weight, *rest) -> backends.Choice:
+    """The GEMM's choice decides how torch.compile takes the op: whole (an opaque GEMM: the op runs
+    at run time) or decomposed (the reference's torch ops)."""
+    return backends.select(GEMM_OP, x, weight, compute=resolve_compute(x, weight, "auto"))  # no view: traced tensors
 
 
 def _forward(x, weight, target, bias, ignore_index: int, label_smoothing: float, softcap: float, z_loss: float,
@@ -99,14 +123,12 @@ def _forward(x, weight, target, bias, ignore_index: int, label_smoothing: float,
     acc = accumulation_dtype(x.dtype)
     loss = torch.empty(x.shape[0], dtype=acc, device=x.device)
     lse = torch.empty_like(loss)
+    target = target.contiguous()
     for start in range(0, x.shape[0], chunk_rows):
         rows = slice(start, min(start + chunk_rows, x.shape[0]))
-        z, _ = _logits(x[rows], weight, bias, softcap)
-        loss_c, lse_c = cross_entropy_op(z, target[rows], ignore_index, label_smoothing)
-        if z_loss:
-            loss_c = loss_c + torch.where(target[rows] == ignore_index, 0.0, z_loss * lse_c * lse_c)
-        loss[rows] = loss_c
-        lse[rows] = lse_c
+        z = gemm(x[rows], weight.t(), bias=bias)  # W read transposed in place
+        loss[rows], lse[rows] = _kernels(z).cross_entropy_forward_rows(z, target[rows], ignore_index, label_smoothing,
+                                                                       softcap, z_loss)
     return loss, lse
 
 
@@ -114,24 +136,33 @@ def _backward(grad_loss, x, weight, target, bias, lse, ignore_index: int, label_
               z_loss: float, chunk_rows: int):
     _check(f"{NAME}_backward", x, weight, target, bias, label_smoothing, softcap, z_loss, chunk_rows)
     acc = accumulation_dtype(x.dtype)
-    grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
-    grad_weight = torch.zeros(weight.shape, dtype=acc, device=x.device)
-    grad_bias = torch.zeros(weight.shape[0], dtype=acc, device=x.device)
-    for start in range(0, x.shape[0], chunk_rows):
-        rows = slice(start, min(start + chunk_rows, x.shape[0]))
-        x_c, target_c, g_c, lse_c = x[rows], target[rows], grad_loss[rows], lse[rows]
-        z, t = _logits(x_c, weight, bias, softcap)
-        dz = cross_entropy_backward_op(g_c, z, target_c, lse_c, ignore_index, label_smoothing)
-        if z_loss:  # d(z_loss lse^2) / dz = 2 z_loss lse softmax(z)
-            scale = torch.where(target_c == ignore_index, 0.0, 2 * z_loss * g_c * lse_c)
-            dz = dz.to(acc) + scale[:, None] * torch.exp(z.to(acc) - lse_c[:, None])
-        if softcap:  # d(c tanh(z / c)) / dz = 1 - tanh^2
-            dz = dz.to(acc) * (1 - t * t)
-        dz = dz.to(x.dtype)
-        grad_x[rows] = gemm(dz, weight)
-        grad_weight = gemm(dz.t(), x_c, residual=grad_weight, out_dtype=acc)
-        grad_bias += dz.sum(0, dtype=acc)
-    return grad_x, grad_weight.to(weight.dtype), grad_bias.to(weight.dtype if bias is None else bias.dtype)
+    vocab = weight.shape[0]
+    row_block, class_block = backward_blocks(x.shape[0], vocab, chunk_rows)
+    one_block = row_block >= x.shape[0]  # grad_W written once a slice, else summed over row blocks
+    grad_weight = torch.empty_like(weight) if one_block else torch.zeros(weight.shape, dtype=acc, device=x.device)
+    grad_bias = torch.zeros(vocab if bias is not None else 0, dtype=acc, device=x.device)
+    grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    target, lse = target.contiguous(), lse.contiguous()
+    for start in range(0, x.shape[0], row_block):
+        rows = slice(start, min(start + row_block, x.shape[0]))
+        x_b = x[rows]
+        grad_x_b = None  # float32 sum over the vocabulary's slices
+        for first in range(0, vocab, class_block):
+            classes = slice(first, min(first + class_block, vocab))
+            w_s = weight[classes]
+            z = gemm(x_b, w_s.t(), bias=None if bias is None else bias[classes])
+            dz = _kernels(z).cross_entropy_slice_backward_(grad_loss[rows], z, target[rows], lse[rows], first, vocab,
+                                                           ignore_index, label_smoothing, softcap, z_loss)
+            if one_block:
+                grad_weight[classes] = gemm(dz.t(), x_b)
+            else:
+                grad_weight[classes] = gemm(dz.t(), x_b, residual=grad_weight[classes], out_dtype=acc)
+            grad_x_b = gemm(dz, w_s, residual=grad_x_b, out_dtype=acc)
+            if bias is not None:
+                grad_bias[classes] += dz.sum(0, dtype=acc)
+        grad_x[rows] = grad_x_b
+    return (grad_x, grad_weight.to(weight.dtype),
+            grad_bias.to(bias.dtype) if bias is not None else weight.new_zeros(vocab))
 
 
 def _fake_forward(x, weight, target, bias, ignore_index, label_smoothing, softcap, z_loss, chunk_rows):
@@ -165,12 +196,12 @@ linear_cross_entropy_backward_op = define_op(
     "kernelforge::linear_cross_entropy_backward(Tensor grad_loss, Tensor x, Tensor weight, Tensor target, "
     "Tensor? bias, Tensor lse, SymInt ignore_index, float label_smoothing, float softcap, float z_loss, "
     "int chunk_rows) -> (Tensor, Tensor, Tensor)",
-    impl=_backward, fake=_fake_backward)
+    impl=_backward, fake=_fake_backward, choose=lambda grad_loss, x, weight, *rest: _choose(x, weight))
 
 linear_cross_entropy_op = define_op(
     "kernelforge::linear_cross_entropy(Tensor x, Tensor weight, Tensor target, Tensor? bias, SymInt ignore_index, "
     "float label_smoothing, float softcap, float z_loss, int chunk_rows) -> (Tensor, Tensor)",
-    impl=_forward, fake=_fake_forward, setup_context=_save, backward=_gradient)
+    impl=_forward, fake=_fake_forward, choose=_choose, setup_context=_save, backward=_gradient)
 
 
 def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,

@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 import kernelforge as kf
-from kernelforge.ops.linear_cross_entropy import default_chunk_rows
-from tests.conftest import backend_cases
+from kernelforge.ops import linear_cross_entropy as lce
+from kernelforge.ops.linear_cross_entropy import backward_blocks, default_chunk_rows
+from tests.conftest import backend_cases, needs_cuda
 from tests.numerics import assert_matches_oracle
 
 
@@ -82,9 +83,13 @@ def check(backend, x, weight, target, bias, chunk_rows, what="", **options):
 @pytest.mark.parametrize("backend,device", backend_cases(("reference", "triton")))
 @pytest.mark.parametrize("options", OPTIONS, ids=["mean", "sum-smoothing", "none-softcap", "zloss-ignore3",
                                                   "softcap-zloss-smoothing"])
-def test_matches_the_unfused_loss(backend, device, options):
+def test_matches_the_unfused_loss(backend, device, options, monkeypatch):
     # 11 rows in chunks of 4 (a remainder of 3) and in one chunk, 37 classes, hidden 24; some
-    # targets ignored
+    # targets ignored. The backward's blocks: rows in blocks of 4 (chunk 4), one block (chunk
+    # 16); with slices of the vocabulary down to 8 classes, slices of 8 over all rows (chunk 4)
+    # and blocks of 4 rows x 8 classes (chunk 1), each with a narrower last slice
+    monkeypatch.setattr(lce, "MIN_SLICE_CLASSES", 8)
+    assert backward_blocks(11, 37, 4) == (11, 8) and backward_blocks(11, 37, 1) == (4, 8)
     for dtype in dtypes_for(backend, device):
         x = torch.randn(11, 24, device=device, dtype=dtype)
         weight = torch.randn(37, 24, device=device, dtype=dtype) / 24 ** 0.5
@@ -93,6 +98,7 @@ def test_matches_the_unfused_loss(backend, device, options):
         target[::4] = options.get("ignore_index", -100)
         check(backend, x, weight, target, bias, 4, "bias", **options)
         check(backend, x, weight, target, None, 16, "no bias", **options)
+        check(backend, x, weight, target, bias, 1, "bias", **options)
 
 
 @pytest.mark.parametrize("backend,device", backend_cases(("reference", "triton")))
@@ -125,14 +131,24 @@ def test_bad_target_gives_nan_and_all_ignored_mean_is_nan(backend, device):
         assert kf.fused_linear_cross_entropy(x, weight, ignored, reduction="sum") == 0
 
 
-def test_default_chunk_rows():
-    # logits of about x's own size (2^24 at least), a power of two, at least 1, at most the rows
-    assert default_chunk_rows(8192, 128256, 2048) == 128
+def test_default_chunk_rows_and_backward_blocks():
+    # logits of about x's own size (2^26 at least), a power of two, at least 1, at most the rows
+    assert default_chunk_rows(8192, 128256, 2048) == 512
     assert default_chunk_rows(65536, 128256, 4096) == 2048
     assert default_chunk_rows(8192, 1000, 2048) == 8192
     assert default_chunk_rows(3, 128256, 16) == 3
     assert default_chunk_rows(100, 10 ** 9, 16) == 1
     assert default_chunk_rows(0, 10, 10) == 1
+    # the backward: chunk_rows x vocab logits at most, all rows in one block while slices of
+    # 4096 classes fit, slices a multiple of 128
+    assert backward_blocks(8192, 128256, 512) == (8192, 7936)
+    assert backward_blocks(65536, 128256, 2048) == (32768, 7936)  # two even blocks, not 64128 + 1408
+    assert backward_blocks(65536, 128256, 512) == (13108, 4992)
+    assert backward_blocks(100, 1000, 100) == (100, 1000)
+    assert backward_blocks(100, 1000, 7) == (7, 1000)
+    for rows, vocab, chunk in [(8192, 128256, 512), (65536, 128256, 512), (5, 7, 1), (100, 50000, 3)]:
+        row_block, classes = backward_blocks(rows, vocab, chunk)
+        assert row_block * classes <= max(chunk * vocab, min(vocab, lce.MIN_SLICE_CLASSES))
 
 
 @pytest.mark.parametrize("backend,device", backend_cases(("reference", "triton")))
@@ -146,6 +162,32 @@ def test_opcheck(backend, device):
             loss, lse = torch.ops.kernelforge.linear_cross_entropy(*args)
             torch.library.opcheck(torch.ops.kernelforge.linear_cross_entropy_backward.default,
                                   (torch.randn_like(loss), *args[:4], lse, *args[4:]))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("options", [dict(), dict(softcap=30.0, z_loss=1e-4, label_smoothing=0.1)],
+                         ids=["plain", "softcap-zloss-smoothing"])
+def test_a_language_models_head_on_the_gpu(options):
+    # Llama-3's head at 2 x 2048 tokens: hidden 2048, 128256 classes, bf16, default chunks (8 row
+    # chunks forward; slices of the vocabulary over all rows backward, the last one narrower)
+    x = torch.randn(2, 2048, 2048, device="cuda", dtype=torch.bfloat16)
+    weight = (torch.randn(128256, 2048, device="cuda") / 2048 ** 0.5).to(torch.bfloat16)
+    target = torch.randint(0, 128256, (2, 2048), device="cuda")
+    target[:, -7:] = -100
+    assert backward_blocks(4096, 128256, default_chunk_rows(4096, 128256, 2048)) == (4096, 16000)
+    check("triton", x, weight, target, None, None, "llama-head", **options)
+    compiled = torch.compile(lambda x, w: kf.fused_linear_cross_entropy(x, w, target, **options), fullgraph=True)
+    xg, wg = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    got = compiled(xg, wg)
+    got.backward()
+    xe, we = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    want = kf.fused_linear_cross_entropy(xe, we, target, **options)
+    want.backward()
+    # the compiled graph runs the same op (kept whole: its GEMMs are opaque)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(xg.grad, xe.grad)
+    torch.testing.assert_close(wg.grad, we.grad)
 
 
 def test_compiles_without_graph_breaks():
