@@ -5,7 +5,8 @@ torch.compile: wall clock per step (forward, loss, backward, AdamW), peak memory
 
 --size 1b: Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 heads over 8 kv heads, SwiGLU 8192,
 a 128256 vocabulary, tied embeddings), random init, batch 4 x 2048 tokens, bf16; --size tiny:
-a few-layer model on the CPU. Variants (each in a process of its own: Liger's patch changes
+a few-layer model on the CPU. --profile-dir DIR: a table of device time per kernel over two more
+steps of each variant into DIR. Variants (each in a process of its own: Liger's patch changes
 transformers' classes for the whole process, kf.patch changes nothing global):
     eager            the model as transformers builds it
     kf               kf.patch(model)
@@ -46,10 +47,13 @@ def build(size: str, device: torch.device, dtype: torch.dtype):
     return model, ids
 
 
-def run_variant(variant: str, size: str, steps: int, device: torch.device, dtype: torch.dtype) -> dict:
+def run_variant(variant: str, size: str, steps: int, device: torch.device, dtype: torch.dtype,
+                profile_dir: str | None = None) -> dict:
     """One variant's step time (median of `steps` after two warm-up steps), peak memory, first loss."""
     model, ids = build(size, device, dtype)
     base, _, compiled = variant.partition("+")
+    if base == "compile":  # torch.compile alone
+        base, compiled = "eager", "compile"
     note = ""
     if base == "kf":
         import kernelforge as kf
@@ -86,7 +90,26 @@ def run_variant(variant: str, size: str, steps: int, device: torch.device, dtype
         times.append(time.perf_counter() - start)
     times.sort()
     peak = torch.cuda.max_memory_allocated() / 2 ** 20 if device.type == "cuda" else float("nan")
+    if profile_dir:
+        _profile(step, variant, profile_dir)
     return dict(variant=variant, step_ms=times[len(times) // 2] * 1e3, peak_mib=peak, first_loss=first, note=note)
+
+
+def _profile(step, variant: str, directory: str) -> None:
+    """Device time per kernel over two steps (torch.profiler), the largest first, into
+    <directory>/<variant>-profile.txt."""
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, f"{variant}-profile.txt"), "w") as f:
+        f.write(f"{variant}: two train steps\n{table}\n")
 
 
 def main(argv=None) -> int:
@@ -98,15 +121,17 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # one variant, run in this process
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--profile-dir", help="also profile two steps of each variant: a kernel table a variant here")
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), torch.bfloat16 if args.dtype == "bf16" else torch.float32
     if args.child:
-        print(json.dumps(run_variant(args.child, args.size, args.steps, device, dtype)))
+        print(json.dumps(run_variant(args.child, args.size, args.steps, device, dtype, args.profile_dir)))
         return 0
     results = []
     for variant in args.variants.split(","):
         command = [sys.executable, __file__, "--child", variant, "--size", args.size, "--steps", str(args.steps),
                    "--device", args.device, "--dtype", args.dtype]
+        command += ["--profile-dir", args.profile_dir] if args.profile_dir else []
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
