@@ -118,7 +118,8 @@ def test_the_report_says_what_was_not_patched(monkeypatch):
         report = kf.patch(model)
     names = {r.name for r in report}
     assert "" not in names and "model.layers.0.self_attn" not in names and "model.norm" in names
-    assert {s.name for s in report.skipped} == {"", "model.layers.0.self_attn", "model.layers.1.self_attn"}
+    assert [s.name for s in report.skipped] == ["model.layers.0.self_attn", "model.layers.1.self_attn", "", ""]
+    assert model.config._attn_implementation == "sdpa"
     ids = torch.randint(0, 300, (1, 8))
     assert model(input_ids=ids, labels=ids).logits is not None
 
@@ -150,6 +151,48 @@ def test_compiles_without_graph_breaks():
     want.backward()
     for a, b in zip(reference.parameters(), model.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_kernelforge_attention_keeps_the_causal_mask_implicit(monkeypatch):
+    # kf.patch moves an "sdpa" model to "kernelforge": under torch.compile its plain causal mask
+    # is None (SDPA's is_causal), a padding mask or a sliding window is transformers' own, and
+    # the losses are the unpatched model's
+    from transformers import masking_utils
+
+    from kernelforge.transformers import attention
+
+    made = []
+
+    def spy(*args, **kwargs):
+        mask = attention.causal_mask(*args, **kwargs)
+        made.append(mask is None)
+        return mask
+
+    for family, plain in (("llama", True), ("mistral", False)):  # Mistral's window (8) < the sequence (16)
+        reference, model = tiny_llama(family=family), tiny_llama(family=family)
+        assert reference.config._attn_implementation == "sdpa"
+        report = patched(model)  # registers the name (again)
+        monkeypatch.setitem(masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, attention.NAME, spy)
+        assert model.config._attn_implementation == "kernelforge" and any("kernelforge" in r.note for r in report)
+        ids = torch.randint(0, 300, (2, 16))
+        padding = torch.ones(2, 16, dtype=torch.long)
+        padding[1, :3] = 0
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda ids, mask: model(input_ids=ids, labels=ids, attention_mask=mask).loss,
+                                 backend="aot_eager", fullgraph=True)
+        for mask, implicit in ((None, plain), (padding, False)):
+            made.clear()
+            got, want = compiled(ids, mask), reference(input_ids=ids, labels=ids, attention_mask=mask).loss
+            torch.testing.assert_close(got, want)
+            assert made and all(m == implicit for m in made), (family, mask is None, made)
+    # the name by itself, for from_pretrained(..., attn_implementation="kernelforge")
+    kf_transformers.register()
+    config = transformers.LlamaConfig(**SHAPE, tie_word_embeddings=True)
+    config._attn_implementation = "kernelforge"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 300, (1, 8))
+    torch.testing.assert_close(model(input_ids=ids).logits, tiny_llama()(input_ids=ids).logits)
 
 
 @pytest.mark.gpu

@@ -10,8 +10,10 @@ second patch changes nothing.
 What a family's patch does (kernelforge/transformers/llama.py for Llama, Mistral, Qwen2, Qwen3):
     RMSNorm        forward -> kf.rms_norm (one kernel, float32 inside, rounded once)
     gated MLP      forward -> down_proj(kf.swiglu(gate_proj(x), up_proj(x)))
-    attention      transformers' forward with kf.rope for q and k (the attention function stays
-                   the one config._attn_implementation names in transformers' registry)
+    attention      transformers' forward with kf.rope for q and k (the attention function is the
+                   one config._attn_implementation names in transformers' registry); a model on
+                   "sdpa" moves to "kernelforge" (kernelforge/transformers/attention.py: SDPA whose
+                   causal mask stays implicit under torch.compile)
     causal-LM loss with labels, the head and the loss -> kf.fused_linear_cross_entropy over the
                    hidden states in training (the logits never exist whole; the output's logits are None)
 The Linear layers stay torch's (cuBLAS). The attention and the loss follow transformers' forwards
@@ -60,4 +62,12 @@ def patch(model: torch.nn.Module):
     return llama.patch(model, name)
 
 
-__all__ = ["FAMILIES", "TESTED_VERSIONS", "family", "patch", "transformers_version_tested"]
+def register() -> None:
+    """Register attn_implementation="kernelforge" with transformers (before from_pretrained with
+    it): kernelforge.transformers.attention."""
+    from kernelforge.transformers import attention
+
+    attention.register()
+
+
+__all__ = ["FAMILIES", "TESTED_VERSIONS", "family", "patch", "register", "transformers_version_tested"]

@@ -35,6 +35,7 @@ from kernelforge.ops.gated_activations import swiglu
 from kernelforge.ops.linear_cross_entropy import fused_linear_cross_entropy
 from kernelforge.ops.norms import rms_norm
 from kernelforge.ops.rope import rope
+from kernelforge.transformers import attention
 
 MARK = "_kernelforge_patched"  # an instance attribute: the module's forward is kernelforge's
 
@@ -149,6 +150,23 @@ def _loss_skip_reason(model, family: Family) -> str | None:
     return None
 
 
+def _use_kernelforge_attention(model, replaced: list, skipped: list) -> None:
+    """A model on "sdpa" moves to "kernelforge": the same SDPA kernels, the causal mask implicit
+    under torch.compile too (kernelforge.transformers.attention)."""
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return
+    untested = _untested_version()
+    if untested:
+        skipped.append(Skipped("", type(model).__qualname__, f'attn_implementation stays "sdpa": the "{attention.NAME}" '
+                                                             f"mask follows transformers' masks as tested; {untested}"))
+        return
+    attention.register()
+    model.set_attn_implementation(attention.NAME)
+    replaced.append(Replacement("", type(model).__qualname__, type(model).__qualname__,
+                                f'attn_implementation "sdpa" -> "{attention.NAME}" (SDPA; the causal mask stays '
+                                "implicit under torch.compile)"))
+
+
 def patch(model: torch.nn.Module, model_type: str) -> Replacements:
     family = FAMILIES[model_type]
     replaced, skipped = [], []
@@ -182,6 +200,7 @@ def patch(model: torch.nn.Module, model_type: str) -> Replacements:
             elif not module.__dict__.get(MARK):
                 skipped.append(Skipped(name, kind, f"activation {act!r} ({type(module.act_fn).__name__}), not silu"))
     if not model.__dict__.get(MARK):
+        _use_kernelforge_attention(model, replaced, skipped)
         reason = _loss_skip_reason(model, family)
         if reason is None:
             take("lm_head", model.lm_head, _head_forward,
