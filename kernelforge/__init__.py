@@ -16,6 +16,7 @@ from kernelforge.ops.attention import flash_attention
 from kernelforge.ops.convrnn import convrnn, convrnn_forward
 from kernelforge.ops.cross_entropy import cross_entropy
 from kernelforge.ops.gated_activations import geglu, swiglu
+from kernelforge.ops.gated_mlp import gated_mlp
 from kernelforge.ops.gather_scatter import gather_scatter
 from kernelforge.ops.gemm import gemm, precision
 from kernelforge.ops.linear_cross_entropy import fused_linear_cross_entropy
@@ -30,7 +31,7 @@ __version__ = "0.1.0"
 
 __all__ = ["BackendUnsupportedError", "BlockMask", "add_layer_norm", "add_rms_norm", "bias_gelu", "bias_silu",
            "convrnn", "convrnn_forward", "cpu_fused_attention", "cross_entropy", "dilated_block_mask", "explain",
-           "flash_attention", "fused_linear_cross_entropy", "gather_scatter", "geglu", "gelu", "gemm", "gpu_kernel",
-           "layer_norm", "local_global_block_mask", "log_softmax", "nn", "optimized_cpu_attention", "patch",
-           "precision", "prefer_backend", "relu", "rms_norm", "rope", "silu", "sliding_window_block_mask", "softmax",
-           "swiglu", "use_backend"]
+           "flash_attention", "fused_linear_cross_entropy", "gated_mlp", "gather_scatter", "geglu", "gelu", "gemm",
+           "gpu_kernel", "layer_norm", "local_global_block_mask", "log_softmax", "nn", "optimized_cpu_attention",
+           "patch", "precision", "prefer_backend", "relu", "rms_norm", "rope", "silu", "sliding_window_block_mask",
+           "softmax", "swiglu", "use_backend"]

@@ -48,6 +48,7 @@ def test_patched_model_computes_the_same(family, tie):
             "lm_head", ""} <= names
     if family == "qwen3":
         assert "model.layers.0.self_attn.q_norm" in names
+    assert "kf.gated_mlp" in next(r.note for r in report if r.name == "model.layers.0.mlp")
     assert report.skipped == []
     ids = torch.randint(0, 300, (2, 16))
     labels = ids.clone()
@@ -64,6 +65,19 @@ def test_patched_model_computes_the_same(family, tie):
     prompt = ids[:1, :6]
     assert torch.equal(model.generate(prompt, max_new_tokens=6, do_sample=False),
                        reference.generate(prompt, max_new_tokens=6, do_sample=False))
+
+
+def test_a_projection_with_a_hook_keeps_the_unfused_mlp():
+    # the fused MLP reads the projections' weights: a hooked (or biased) projection keeps its call
+    reference, model = tiny_llama(), tiny_llama()
+    calls = []
+    model.model.layers[0].mlp.up_proj.register_forward_hook(lambda *args: calls.append(1))
+    report = patched(model)
+    notes = {r.name: r.note for r in report}
+    assert "kf.swiglu" in notes["model.layers.0.mlp"] and "kf.gated_mlp" in notes["model.layers.1.mlp"]
+    ids = torch.randint(0, 300, (2, 8))
+    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, reference(input_ids=ids, labels=ids).loss)
+    assert calls == [1]
 
 
 def test_gradient_accumulation_and_tuple_outputs():

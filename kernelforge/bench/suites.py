@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
 import kernelforge as kf
 from kernelforge import backends
@@ -302,6 +303,39 @@ def _linear_cross_entropy_suite() -> Suite:
 # Norms and activations: the large target shapes, then the latency shapes.
 ROW_OP_SHAPES = [(16384, 4096), (8192, 16384), (4096, 65536), (1, 4096), (8, 4096), (32, 4096)]
 QUICK_SHAPES = [(256, 4096), (8, 4096)]
+def _gated_mlp_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> tuple:
+    """x (tokens, hidden), gate / up weights (intermediate, hidden), the down weight (hidden, intermediate)."""
+    tokens, hidden, inner = shape
+    return (torch.randn(tokens, hidden, device=device, dtype=dtype),
+            *(torch.randn(rows, cols, device=device, dtype=dtype) / cols ** 0.5
+              for rows, cols in ((inner, hidden), (inner, hidden), (hidden, inner))))
+
+
+def _gated_mlp_cost(shape: Shape, dtype: torch.dtype, direction: str) -> Cost:
+    """Three GEMMs forward, six more backward, at the matmul ceiling (the recomputed activation and
+    the elementwise kernels are a few percent of it)."""
+    tokens, hidden, inner = shape
+    gemms = 3 if direction == "fwd" else 9
+    return Cost(gemms * (tokens * (hidden + inner) + hidden * inner) * dtype.itemsize,
+                gemms * 2 * tokens * hidden * inner, precision="bf16" if dtype == torch.bfloat16 else None)
+
+
+def _liger_gated_mlp() -> Fn:
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+    return lambda x, wg, wu, wd: F.linear(LigerSiLUMulFunction.apply(F.linear(x, wg), F.linear(x, wu)), wd)
+
+
+def _gated_mlp_suite() -> Suite:
+    """A Llama MLP, (tokens, hidden, intermediate): Llama-3.2-1B's at 4 x 2048 tokens, Llama-3-8B's
+    at 4096. The point is memory: the same GEMMs, one (tokens x intermediate) tensor less kept."""
+    eager = lambda x, wg, wu, wd: F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)  # noqa: E731
+    return Suite(op="gated_mlp", registry_op="gated_activation", shapes=[(8192, 2048, 8192), (4096, 4096, 14336)],
+                 quick_shapes=[(64, 64, 128)], make_inputs=_gated_mlp_inputs, cost=_gated_mlp_cost,
+                 kernelforge=lambda x, wg, wu, wd: kf.gated_mlp(x, wg, wu, wd),
+                 baselines=_baselines(eager, _liger_gated_mlp), peers=LIGER)
+
+
 LIGER = {"liger": "liger_kernel"}
 
 
@@ -385,6 +419,7 @@ SUITES: dict[str, Suite] = {
     "cross_entropy": _cross_entropy_suite(),
     "rope": _rope_suite(),
     "fused_linear_cross_entropy": _linear_cross_entropy_suite(),
+    "gated_mlp": _gated_mlp_suite(),
     **attention_suites(),
     **gemm_suites(),
     **recurrent_suites(),

@@ -5,4 +5,4 @@ No kernel code lives here.
 """
 # importing registers the torch.library operators (kernelforge::softmax, ...)
 from kernelforge.ops import (activations, attention, convrnn, cross_entropy, gated_activations,  # noqa: F401
-                             gather_scatter, gemm, norms, softmax)
+                             gated_mlp, gather_scatter, gemm, linear_cross_entropy, norms, rope, softmax)

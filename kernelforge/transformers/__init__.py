@@ -9,17 +9,19 @@ second patch changes nothing.
 
 What a family's patch does (kernelforge/transformers/llama.py for Llama, Mistral, Qwen2, Qwen3):
     RMSNorm        forward -> kf.rms_norm (one kernel, float32 inside, rounded once)
-    gated MLP      forward -> down_proj(kf.swiglu(gate_proj(x), up_proj(x)))
+    gated MLP      forward -> kf.gated_mlp (its backward makes silu(gate) * up again instead of
+                   keeping it: one (tokens x intermediate) tensor less a layer); with a bias or
+                   hooks on a projection, down_proj(kf.swiglu(gate_proj(x), up_proj(x)))
     attention      transformers' forward with kf.rope for q and k (the attention function is the
                    one config._attn_implementation names in transformers' registry); a model on
                    "sdpa" moves to "kernelforge" (kernelforge/transformers/attention.py: SDPA whose
                    causal mask stays implicit under torch.compile)
     causal-LM loss with labels, the head and the loss -> kf.fused_linear_cross_entropy over the
                    hidden states in training (the logits never exist whole; the output's logits are None)
-The Linear layers stay torch's (cuBLAS). The attention and the loss follow transformers' forwards
-(the attention's is a replacement with kf.rope in it; the loss's wraps transformers' own) as the
-versions in TESTED_VERSIONS have them; with another version they are not patched, and the report
-says so.
+The Linear layers stay torch's (cuBLAS), the MLP's GEMMs too. The attention and the loss follow
+transformers' forwards (the attention's is a replacement with kf.rope in it; the loss's wraps
+transformers' own) as the versions in TESTED_VERSIONS have them; with another version they are not
+patched, and the report says so.
 """
 from __future__ import annotations
 

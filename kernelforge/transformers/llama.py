@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from kernelforge._replacements import Replacement, Replacements, Skipped
 from kernelforge.ops.gated_activations import swiglu
+from kernelforge.ops.gated_mlp import gated_mlp
 from kernelforge.ops.linear_cross_entropy import fused_linear_cross_entropy
 from kernelforge.ops.norms import rms_norm
 from kernelforge.ops.rope import rope
@@ -60,6 +61,22 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def _fused_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    if not x.dtype == self.gate_proj.weight.dtype:  # transformers' mixed-dtype promotion, as it was
+        return _mlp_forward(self, x)
+    return gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+
+
+def _plain_linears(module, names) -> bool:
+    """The projections are nn.Linear without a bias or hooks (the fused MLP reads their weights)."""
+    for name in names:
+        linear = getattr(module, name, None)
+        if (type(linear) is not torch.nn.Linear or linear.bias is not None or linear._forward_hooks
+                or linear._forward_pre_hooks):
+            return False
+    return True
 
 
 def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, *, family,
@@ -157,8 +174,9 @@ def _use_kernelforge_attention(model, replaced: list, skipped: list) -> None:
         return
     untested = _untested_version()
     if untested:
-        skipped.append(Skipped("", type(model).__qualname__, f'attn_implementation stays "sdpa": the "{attention.NAME}" '
-                                                             f"mask follows transformers' masks as tested; {untested}"))
+        skipped.append(Skipped("", type(model).__qualname__, f'attn_implementation stays "sdpa": the '
+                                                             f'"{attention.NAME}" mask follows transformers\' masks as '
+                                                             f"tested; {untested}"))
         return
     attention.register()
     model.set_attn_implementation(attention.NAME)
@@ -196,7 +214,11 @@ def patch(model: torch.nn.Module, model_type: str) -> Replacements:
         elif kind == f"{family.prefix}MLP":
             act = getattr(getattr(module, "config", None), "hidden_act", None)
             if act == "silu" and type(module.act_fn).__name__ in ("SiLU", "SiLUActivation"):
-                take(name, module, _mlp_forward, "forward -> down_proj(kf.swiglu(gate_proj(x), up_proj(x)))")
+                if _plain_linears(module, ("gate_proj", "up_proj", "down_proj")):
+                    take(name, module, _fused_mlp_forward, "forward -> kf.gated_mlp (the backward recomputes "
+                                                           "silu(gate) * up instead of keeping it)")
+                else:
+                    take(name, module, _mlp_forward, "forward -> down_proj(kf.swiglu(gate_proj(x), up_proj(x)))")
             elif not module.__dict__.get(MARK):
                 skipped.append(Skipped(name, kind, f"activation {act!r} ({type(module.act_fn).__name__}), not silu"))
     if not model.__dict__.get(MARK):

@@ -131,7 +131,8 @@ def cross_entropy_backward_kernel(
         if SOFTCAP:
             x, t = _capped(x, softcap)
         p = tl.exp2((x - lse) * LOG2E)
-        grad = p * softmax_scale - tl.where(idx == local_target, 1.0 - label_smoothing, 0.0) - label_smoothing / n_classes
+        grad = p * softmax_scale - tl.where(idx == local_target, 1.0 - label_smoothing, 0.0)
+        grad -= label_smoothing / n_classes
         grad = grad * scale
         if SOFTCAP:
             grad = grad * (1.0 - t * t)

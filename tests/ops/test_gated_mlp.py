@@ -1,0 +1,117 @@
+"""kernelforge.gated_mlp against the MLP written out (float64 oracle, the same in the tested dtype as
+the yardstick): every activation, batched and strided x, odd sizes, the gradients of x and the
+three weights, what the backward keeps (gate and up, not the activation), opcheck,
+torch.compile, bad input."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernelforge as kf
+from tests.conftest import backend_cases
+from tests.numerics import assert_matches_oracle
+
+ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
+
+
+def written_out(x, wg, wu, wd, activation):
+    return F.linear(ACTS[activation](F.linear(x, wg)) * F.linear(x, wu), wd)
+
+
+def weights(hidden, inner, out, device, dtype):
+    return [(torch.randn(*shape, device=device) / shape[1] ** 0.5).to(dtype)
+            for shape in ((inner, hidden), (inner, hidden), (out, inner))]
+
+
+def dtypes_for(backend, device):
+    return [torch.float32, torch.float16, torch.bfloat16] + ([torch.float64] if backend == "reference" else [])
+
+
+@pytest.mark.parametrize("backend,device", backend_cases(("reference", "triton")))
+@pytest.mark.parametrize("activation", list(ACTS))
+def test_matches_the_written_out_mlp(backend, device, activation):
+    # x (2, 7, 24) and a transposed view; intermediate 40, out 24 and 9
+    for dtype in dtypes_for(backend, device):
+        if device == "cpu" and dtype == torch.float16:
+            continue  # half matmuls on a CPU: slow and not what anyone runs
+        for out, strided in ((24, False), (9, True)):
+            x = torch.randn(2, 24, 7, device=device).to(dtype).transpose(1, 2) if strided else \
+                torch.randn(2, 7, 24, device=device).to(dtype)
+            params = [x, *weights(24, 40, out, device, dtype)]
+            mine = [t.detach().clone().requires_grad_() for t in params]
+            same = [t.detach().clone().requires_grad_() for t in params]
+            exact = [t.detach().double().requires_grad_() for t in params]
+            with kf.use_backend(backend):
+                y = kf.gated_mlp(*mine, activation=activation)
+            yard, oracle = written_out(*same, activation), written_out(*exact, activation)
+            label = f"{backend} {dtype} {activation} out={out} strided={strided}"
+            assert_matches_oracle(y, yard.detach(), oracle.detach(), label, reduced=40)
+            grad = torch.randn_like(y)
+            with kf.use_backend(backend):
+                got = torch.autograd.grad(y, mine, grad)
+            base = torch.autograd.grad(yard, same, grad)
+            want = torch.autograd.grad(oracle, exact, grad.double())
+            for name, g, b, w in zip(("x", "gate_weight", "up_weight", "down_weight"), got, base, want):
+                assert g.shape == w.shape and g.dtype == b.dtype, f"{label} grad {name}"
+                assert_matches_oracle(g, b, w, f"{label} grad {name}", reduced=40 * 14)
+
+
+def test_the_backward_keeps_gate_and_up_not_the_activation():
+    # what autograd saves for the backward: x, gate, up and the weights; the unfused MLP also
+    # keeps act(gate) * up (for the down projection's weight gradient)
+    x = torch.randn(3, 8, requires_grad=True)
+    wg, wu, wd = (w.requires_grad_() for w in weights(8, 32, 8, "cpu", torch.float32))
+
+    def saved_elements(fn):
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append((t.data_ptr(), t.numel())) or t,
+                                                      lambda t: t):
+            fn()
+        return sum(n for _, n in set(sizes))
+
+    params = x.numel() + wg.numel() + wu.numel() + wd.numel()
+    assert saved_elements(lambda: kf.gated_mlp(x, wg, wu, wd)) == params + 2 * 3 * 32
+    assert saved_elements(lambda: written_out(x, wg, wu, wd, "silu")) >= params + 3 * 3 * 32
+
+
+@pytest.mark.parametrize("backend,device", backend_cases(("reference", "triton")))
+def test_opcheck(backend, device):
+    x = torch.randn(2, 3, 8, device=device)
+    wg, wu, wd = weights(8, 12, 5, device, torch.float32)
+    with kf.use_backend(backend):
+        for args in [(x, wg, wu, wd, "silu"), (x[0].t().contiguous().t(), wg, wu, wd, "gelu_tanh")]:
+            torch.library.opcheck(torch.ops.kernelforge.gated_mlp.default, args)
+
+
+def test_compiles_without_graph_breaks():
+    x = torch.randn(4, 8, requires_grad=True)
+    ws = [w.requires_grad_() for w in weights(8, 16, 8, "cpu", torch.float32)]
+
+    def f(x, *ws):
+        return kf.gated_mlp(x, *ws).square().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    got, want = compiled(x, *ws), f(x, *ws)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(torch.autograd.grad(got, [x, *ws]), torch.autograd.grad(want, [x, *ws])):
+        torch.testing.assert_close(a, b)
+
+
+def test_bad_input_is_rejected():
+    x = torch.randn(4, 8)
+    wg, wu, wd = weights(8, 16, 8, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        kf.gated_mlp(x, wg, wu, wd, activation="tanh")
+    # shape checks raise RuntimeError (torch._check: also under tracing)
+    with pytest.raises(RuntimeError, match=r"gate_weight must be \(intermediate, 8\)"):
+        kf.gated_mlp(x, wg[:, :4], wu, wd)
+    with pytest.raises(RuntimeError, match="up_weight must have gate_weight's shape"):
+        kf.gated_mlp(x, wg, wu[:8], wd)
+    with pytest.raises(RuntimeError, match=r"down_weight must be \(out, 16\)"):
+        kf.gated_mlp(x, wg, wu, wd[:, :4])
+    with pytest.raises(RuntimeError, match="to have the same dtype"):
+        kf.gated_mlp(x, wg, wu, wd.double())
+    with pytest.raises(TypeError, match="up_weight must be a tensor"):
+        kf.gated_mlp(x, wg, None, wd)
+    with pytest.raises(TypeError):
+        kf.gated_mlp(x.long(), wg, wu, wd)
