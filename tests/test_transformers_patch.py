@@ -138,6 +138,32 @@ def test_the_report_says_what_was_not_patched(monkeypatch):
     assert model(input_ids=ids, labels=ids).logits is not None
 
 
+def test_apply_patches_the_models_built_in_its_block(tmp_path):
+    # around from_pretrained: the loaded model is patched at the block's exit (its inner LlamaModel
+    # with it, once), computes the unpatched model's loss; a Qwen2 built in a "llama" block, and
+    # models built after the block, are untouched
+    tiny_llama().save_pretrained(tmp_path)
+    post_init = transformers.PreTrainedModel.post_init
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with kf_transformers.apply("llama") as done:
+            model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+            other = tiny_llama(family="qwen2")
+            assert "forward" not in model.model.norm.__dict__  # not before the exit
+    assert transformers.PreTrainedModel.post_init is post_init
+    assert [m for m, _ in done] == [model] and "forward" in model.model.norm.__dict__
+    assert any(r.name == "" and "fused_linear_cross_entropy" in r.note for r in done[0][1])
+    assert model.config._attn_implementation == "kernelforge"
+    assert all("forward" not in m.__dict__ for m in other.modules())
+    later = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert all("forward" not in m.__dict__ for m in later.modules())
+    ids = torch.randint(0, 300, (2, 12))
+    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, later(input_ids=ids, labels=ids).loss)
+    with pytest.raises(ValueError, match="unknown families"):
+        with kf_transformers.apply("gpt2"):
+            pass
+
+
 def test_family():
     from kernelforge.transformers import llama
 

@@ -7,6 +7,9 @@ second patch changes nothing.
     model = transformers.LlamaForCausalLM(config)
     report = kf.patch(model)        # Replacements: what changed, and .skipped: what did not, why
 
+    with kernelforge.transformers.apply("llama"):   # or around from_pretrained: patched at exit
+        model = transformers.AutoModelForCausalLM.from_pretrained(path)
+
 What a family's patch does (kernelforge/transformers/llama.py for Llama, Mistral, Qwen2, Qwen3):
     RMSNorm        forward -> kf.rms_norm (one kernel, float32 inside, rounded once)
     gated MLP      forward -> kf.gated_mlp (its backward makes silu(gate) * up again instead of
@@ -25,6 +28,8 @@ patched, and the report says so.
 """
 from __future__ import annotations
 
+import contextlib
+import weakref
 from typing import Optional
 
 import torch
@@ -64,6 +69,46 @@ def patch(model: torch.nn.Module):
     return llama.patch(model, name)
 
 
+@contextlib.contextmanager
+def apply(*families: str):
+    """A context manager: every transformers model of these families (config.model_type, one of
+    FAMILIES; all of them when none is named) built inside the block is patched as patch() does
+    when the block exits, so the loading inside it (from_pretrained's weights, its tying, its
+    dtype and device moves) happens first. Yields a list it fills at exit with (model, report)
+    pairs. Nothing outlives the block: models built after it, and other families, are untouched.
+
+        with kernelforge.transformers.apply("llama") as patched:
+            model = transformers.AutoModelForCausalLM.from_pretrained(path)
+        # model is patched here; patched == [(model, Replacements([...]))]
+
+    While the block runs, transformers' PreTrainedModel.post_init also records each model it
+    finishes (every transformers model calls it at the end of __init__); the outermost ones of
+    the families are patched (an inner LlamaModel inside a LlamaForCausalLM is patched with it)."""
+    wanted = set(families or FAMILIES)
+    unknown = wanted - set(FAMILIES)
+    if unknown:
+        raise ValueError(f"kernelforge.transformers.apply: unknown families {sorted(unknown)}; supported: {FAMILIES}")
+    from transformers import PreTrainedModel
+
+    built: list = []
+    original = PreTrainedModel.__dict__["post_init"]
+
+    def post_init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if family(self) in wanted:
+            built.append(weakref.ref(self))
+
+    patched: list = []
+    PreTrainedModel.post_init = post_init
+    try:
+        yield patched
+    finally:
+        PreTrainedModel.post_init = original
+        models = [model for model in (ref() for ref in built) if model is not None]
+        inner = {id(sub) for model in models for sub in model.modules() if sub is not model}
+        patched.extend((model, patch(model)) for model in models if id(model) not in inner)
+
+
 def register() -> None:
     """Register attn_implementation="kernelforge" with transformers (before from_pretrained with
     it): kernelforge.transformers.attention."""
@@ -72,4 +117,4 @@ def register() -> None:
     attention.register()
 
 
-__all__ = ["FAMILIES", "TESTED_VERSIONS", "family", "patch", "register", "transformers_version_tested"]
+__all__ = ["FAMILIES", "TESTED_VERSIONS", "apply", "family", "patch", "register", "transformers_version_tested"]
