@@ -24,7 +24,26 @@ FAMILY_MODELS = {
     "qwen2": lambda tie: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SHAPE, tie_word_embeddings=tie)),
     "qwen3": lambda tie: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
         **SHAPE, head_dim=16, tie_word_embeddings=tie)),
+    # Gemma's 1 + w norms and gelu-tanh MLP; Gemma 2 / 3 with their logit softcap (and Gemma 2's
+    # attention softcap, left to transformers' attention); Granite with its multipliers and logit
+    # scale; OLMo 2's post-norms and q / k norms; Phi-3's packed gate_up_proj
+    "gemma": lambda tie: transformers.GemmaForCausalLM(transformers.GemmaConfig(
+        **SHAPE, head_dim=16, tie_word_embeddings=tie)),
+    "gemma2": lambda tie: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        **SHAPE, head_dim=16, sliding_window=8, final_logit_softcapping=3.0, tie_word_embeddings=tie)),
+    "gemma3_text": lambda tie: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        **SHAPE, head_dim=16, sliding_window=8, final_logit_softcapping=3.0, tie_word_embeddings=tie)),
+    "granite": lambda tie: transformers.GraniteForCausalLM(transformers.GraniteConfig(
+        **SHAPE, logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
+        tie_word_embeddings=tie)),
+    "olmo2": lambda tie: transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**SHAPE, tie_word_embeddings=tie)),
+    "phi3": lambda tie: transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        **SHAPE, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=tie)),
 }
+# the families whose attention forward kernelforge replaces (kf.rope inside); the MLP's note
+ROPE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+MLP_NOTES = {"phi3": "kf.swiglu(gate_up_proj(x))", "gemma": "kf.gated_mlp (gelu_tanh",
+             "gemma2": "kf.gated_mlp (gelu_tanh", "gemma3_text": "kf.gated_mlp (gelu_tanh"}
 
 
 def tiny_llama(seed=0, tie=True, family="llama"):
@@ -39,16 +58,17 @@ def patched(model):
 
 
 @pytest.mark.parametrize("family,tie", [("llama", True), ("llama", False), ("mistral", True), ("qwen2", False),
-                                        ("qwen3", True)])
+                                        ("qwen3", True), ("gemma", True), ("gemma2", True), ("gemma3_text", False),
+                                        ("granite", True), ("olmo2", False), ("phi3", False)])
 def test_patched_model_computes_the_same(family, tie):
     reference, model = tiny_llama(tie=tie, family=family), tiny_llama(tie=tie, family=family)
     report = patched(model)
     names = {r.name for r in report}
-    assert {"model.layers.0.mlp", "model.layers.0.self_attn", "model.layers.1.input_layernorm", "model.norm",
-            "lm_head", ""} <= names
-    if family == "qwen3":
+    assert {"model.layers.0.mlp", "model.layers.1.post_attention_layernorm", "model.norm", "lm_head", ""} <= names
+    assert ("model.layers.0.self_attn" in names) == (family in ROPE_FAMILIES)
+    if family in ("qwen3", "olmo2", "gemma3_text"):
         assert "model.layers.0.self_attn.q_norm" in names
-    assert "kf.gated_mlp" in next(r.note for r in report if r.name == "model.layers.0.mlp")
+    assert MLP_NOTES.get(family, "kf.gated_mlp (silu") in next(r.note for r in report if r.name == "model.layers.0.mlp")
     assert report.skipped == []
     ids = torch.randint(0, 300, (2, 16))
     labels = ids.clone()
@@ -165,9 +185,9 @@ def test_apply_patches_the_models_built_in_its_block(tmp_path):
 
 
 def test_family():
-    from kernelforge.transformers import llama
+    from kernelforge.transformers import decoders
 
-    assert kf_transformers.FAMILIES == tuple(llama.FAMILIES)
+    assert kf_transformers.FAMILIES == tuple(decoders.FAMILIES)
     for family in FAMILY_MODELS:
         assert kf_transformers.family(tiny_llama(family=family)) == family
     assert kf_transformers.family(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32,

@@ -1,15 +1,21 @@
-"""The patch of Llama and the families transformers derives from it with the same norm, MLP,
-attention and causal-LM head (FAMILIES: Mistral, Qwen2, Qwen3; kernelforge.transformers
+"""The patch of transformers' decoder-only causal LMs built like Llama (FAMILIES; kernelforge.transformers
 dispatches here): per instance, forwards of this model's RMSNorm, MLP and attention modules, and
-the causal-LM head's loss. The families differ in what their attention adds: a sliding window
-handed to the attention function (Mistral from the config, Qwen2 / Qwen3 per layer), RMSNorms on
-q and k over the head dim before the rotation (Qwen3).
-
-The attention: transformers' LlamaAttention.forward with kf.rope in place of apply_rotary_pos_emb
-(which transformers calls by its module-level name, so no instance setting reaches it): the
-projections, the cache update and the attention function transformers' registry picks
-(config._attn_implementation) as transformers does them, in the versions of TESTED_VERSIONS; with
-another version the attention is left alone, and the report says so.
+the causal-LM head's loss. What the families differ in (their Family):
+- the attention: Llama, Mistral, Qwen2 and Qwen3 take transformers' LlamaAttention.forward with
+  kf.rope in place of apply_rotary_pos_emb (transformers calls it by its module-level name, so no
+  instance setting reaches it), with what they add: a sliding window handed to the attention
+  function (Mistral from the config, Qwen2 / Qwen3 per layer), RMSNorms on q and k over the head
+  dim before the rotation (Qwen3). The projections, the cache update and the attention function
+  transformers' registry picks (config._attn_implementation) are as transformers does them, in
+  the versions of TESTED_VERSIONS; with another version the attention is left alone, and the
+  report says so. The other families keep transformers' attention (their q / k norms, fused qkv
+  projections and post-norms are not copied here).
+- the norm: x * rsqrt(mean(x^2) + eps) times w (Llama) or times 1 + w in float32 (Gemma's):
+  kf.rms_norm either way (with the weight 1 + w made in float32 for Gemma).
+- the MLP: gate_proj / up_proj / down_proj (kf.gated_mlp, the activation from the module: silu,
+  gelu, gelu tanh) or a packed gate_up_proj (Phi-3: down_proj(kf.swiglu(gate_up_proj(x)))).
+- the head: logits divided by a scale (Granite: the hidden states divided instead, by transformers'
+  own code, before the fused loss) or softcapped (Gemma 2 / 3: the fused loss caps them).
 
 The loss: with labels, the causal-LM forward (transformers' own, not a copy) runs with the head
 passing the hidden states through and, for that call, a loss_function (transformers' per-instance
@@ -44,13 +50,24 @@ MARK = "_kernelforge_patched"  # an instance attribute: the module's forward is 
 @dataclass(frozen=True)
 class Family:
     prefix: str  # the class names' prefix: <prefix>RMSNorm, <prefix>MLP, <prefix>Attention, <prefix>ForCausalLM
+    attention: bool = True  # Llama's attention forward (kf.rope inside); False: transformers' own
     window: Optional[str] = None  # the sliding window the attention passes on: "config", "module" or none
     qk_norm: bool = False  # q_norm / k_norm over the head dim before the rotation
+    norm_offset: bool = False  # the norm's scale is 1 + w, applied in float32 (Gemma)
+    packed_mlp: bool = False  # gate_up_proj holds [gate | up] (Phi-3)
 
 
-# config.model_type -> what its transformers modeling code does (transformers 5.24)
+# config.model_type -> what its transformers modeling code does (transformers 5.17 and 5.24)
 FAMILIES = {"llama": Family("Llama"), "mistral": Family("Mistral", window="config"),
-            "qwen2": Family("Qwen2", window="module"), "qwen3": Family("Qwen3", window="module", qk_norm=True)}
+            "qwen2": Family("Qwen2", window="module"), "qwen3": Family("Qwen3", window="module", qk_norm=True),
+            "gemma": Family("Gemma", attention=False, norm_offset=True),
+            "gemma2": Family("Gemma2", attention=False, norm_offset=True),
+            "gemma3_text": Family("Gemma3", attention=False, norm_offset=True),
+            "granite": Family("Granite", attention=False), "olmo2": Family("Olmo2", attention=False),
+            "phi3": Family("Phi3", attention=False, packed_mlp=True)}
+# the MLP's activation module (transformers.activations) -> kernelforge's gated kind
+GATED_KINDS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUActivation": "gelu", "GELUTanh": "gelu_tanh",
+               "PytorchGELUTanh": "gelu_tanh"}
 
 
 def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -59,14 +76,23 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
+def _offset_rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """Gemma's: normalized x times (1 + w), in float32, rounded once to x's dtype."""
+    return rms_norm(x, 1.0 + self.weight.float(), self.eps)
+
+
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
-def _fused_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+def _fused_mlp_forward(self, x: torch.Tensor, *, kind: str) -> torch.Tensor:
     if not x.dtype == self.gate_proj.weight.dtype:  # transformers' mixed-dtype promotion, as it was
-        return _mlp_forward(self, x)
-    return gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        return type(self).forward(self, x)
+    return gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, activation=kind)
+
+
+def _packed_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(swiglu(self.gate_up_proj(x)))
 
 
 def _plain_linears(module, names) -> bool:
@@ -116,16 +142,17 @@ def _head_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def _causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
-                    shift_labels=None, *, head, **kwargs):
+                    shift_labels=None, *, head, softcap=None, **kwargs):
     """transformers' ForCausalLMLoss over the hidden states (`logits` here: the head passed them)."""
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     hidden = logits.reshape(-1, logits.shape[-1])
     target = shift_labels.reshape(-1).to(hidden.device)
     if num_items_in_batch is None:
-        return fused_linear_cross_entropy(hidden, head.weight, target, head.bias, ignore_index=ignore_index)
+        return fused_linear_cross_entropy(hidden, head.weight, target, head.bias, ignore_index=ignore_index,
+                                          softcap=softcap)
     loss = fused_linear_cross_entropy(hidden, head.weight, target, head.bias, ignore_index=ignore_index,
-                                      reduction="sum")
+                                      reduction="sum", softcap=softcap)
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     return loss / num_items_in_batch
@@ -136,13 +163,20 @@ def _causal_lm_forward(self, *args, **kwargs):
             or "_loss_function" in self.__dict__):  # evaluation keeps its logits (metrics read them)
         return type(self).forward(self, *args, **kwargs)
     head = self.lm_head
-    self.loss_function = functools.partial(_causal_lm_loss, head=head)
+    # Gemma 2 / 3 cap the logits before the loss: the fused loss caps them, the forward must not
+    # cap the hidden states the head passes through (for this call only)
+    softcap = getattr(self.config, "final_logit_softcapping", None)
+    self.loss_function = functools.partial(_causal_lm_loss, head=head, softcap=softcap)
     head._kernelforge_pass_hidden = True
+    if softcap is not None:
+        self.config.final_logit_softcapping = None
     try:
         out = type(self).forward(self, *args, **kwargs)
     finally:
         head._kernelforge_pass_hidden = False
         del self._loss_function
+        if softcap is not None:
+            self.config.final_logit_softcapping = softcap
     return type(out)(**{key: value for key, value in out.items() if key != "logits"})
 
 
@@ -185,6 +219,26 @@ def _use_kernelforge_attention(model, replaced: list, skipped: list) -> None:
                                 "implicit under torch.compile)"))
 
 
+def _patch_mlp(name: str, module, family: Family, take, skipped: list) -> None:
+    act = getattr(module, "act_fn", getattr(module, "activation_fn", None))
+    gated = GATED_KINDS.get(type(act).__name__)
+    if family.packed_mlp:
+        if gated == "silu":
+            take(name, module, _packed_mlp_forward, "forward -> down_proj(kf.swiglu(gate_up_proj(x)))")
+        else:
+            skipped.append(Skipped(name, type(module).__qualname__, f"activation {type(act).__name__}, not silu"))
+    elif gated is None:
+        skipped.append(Skipped(name, type(module).__qualname__,
+                               f"activation {type(act).__name__}, not one of {sorted(GATED_KINDS)}"))
+    elif _plain_linears(module, ("gate_proj", "up_proj", "down_proj")):
+        take(name, module, functools.partial(_fused_mlp_forward, kind=gated),
+             f"forward -> kf.gated_mlp ({gated}; the backward recomputes act(gate) * up instead of keeping it)")
+    elif gated == "silu":
+        take(name, module, _mlp_forward, "forward -> down_proj(kf.swiglu(gate_proj(x), up_proj(x)))")
+    else:
+        skipped.append(Skipped(name, type(module).__qualname__, "a projection has a bias or hooks"))
+
+
 def patch(model: torch.nn.Module, model_type: str) -> Replacements:
     family = FAMILIES[model_type]
     replaced, skipped = [], []
@@ -202,7 +256,7 @@ def patch(model: torch.nn.Module, model_type: str) -> Replacements:
     untested = _untested_version()
     for name, module in model.named_modules():
         kind = type(module).__name__
-        if kind == f"{family.prefix}Attention" and not module.__dict__.get(MARK):
+        if kind == f"{family.prefix}Attention" and family.attention and not module.__dict__.get(MARK):
             if untested:
                 skipped.append(Skipped(name, kind, f"its forward (for kf.rope) follows transformers' as tested; "
                                                    f"{untested}"))
@@ -210,17 +264,12 @@ def patch(model: torch.nn.Module, model_type: str) -> Replacements:
                 take(name, module, functools.partial(_attention_forward, family=family),
                      "forward with kf.rope for q and k")
         elif kind == f"{family.prefix}RMSNorm":
-            take(name, module, _rms_norm_forward, "forward -> kf.rms_norm")
-        elif kind == f"{family.prefix}MLP":
-            act = getattr(getattr(module, "config", None), "hidden_act", None)
-            if act == "silu" and type(module.act_fn).__name__ in ("SiLU", "SiLUActivation"):
-                if _plain_linears(module, ("gate_proj", "up_proj", "down_proj")):
-                    take(name, module, _fused_mlp_forward, "forward -> kf.gated_mlp (the backward recomputes "
-                                                           "silu(gate) * up instead of keeping it)")
-                else:
-                    take(name, module, _mlp_forward, "forward -> down_proj(kf.swiglu(gate_proj(x), up_proj(x)))")
-            elif not module.__dict__.get(MARK):
-                skipped.append(Skipped(name, kind, f"activation {act!r} ({type(module.act_fn).__name__}), not silu"))
+            if family.norm_offset:
+                take(name, module, _offset_rms_norm_forward, "forward -> kf.rms_norm with 1 + w (float32)")
+            else:
+                take(name, module, _rms_norm_forward, "forward -> kf.rms_norm")
+        elif kind == f"{family.prefix}MLP" and not module.__dict__.get(MARK):
+            _patch_mlp(name, module, family, take, skipped)
     if not model.__dict__.get(MARK):
         _use_kernelforge_attention(model, replaced, skipped)
         reason = _loss_skip_reason(model, family)
