@@ -12,7 +12,9 @@ float32 (float64 for float64 logits). The public `cross_entropy` maps torch's la
 division by the count of targets that are not ignored is differentiated by autograd.
 
 Every backend implements the row launchers of kernelforge.reference.cross_entropy:
-`cross_entropy_forward_rows` and `cross_entropy_backward_rows`. Both backends are traceable: under
+`cross_entropy_forward_rows` and `cross_entropy_backward_rows`, and for fused linear
+cross-entropy (kernelforge.ops.linear_cross_entropy) the forward's softcap / z-loss options and
+`cross_entropy_slice_backward_` (a slice of the vocabulary, in place). Both backends are traceable: under
 torch.compile the ops decompose into the Triton kernels (which Inductor launches) or the reference's
 torch ops.
 """

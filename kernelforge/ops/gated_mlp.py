@@ -9,7 +9,7 @@ Registered ops (kernelforge.ops._opdef.define_op; each with a fake):
 
 Why: as three Linear layers and an activation, the MLP keeps x, gate, up (for the activation's
 backward) and h = act(gate) * up (for the down projection's weight gradient): h is as large as
-gate, a quarter of a Llama layer's saved activations. Here the backward makes h again from gate
+gate, about a fifth of what a Llama layer keeps. Here the backward makes h again from gate
 and up (one elementwise kernel: 3 x rows x intermediate elements moved, against the 2 x rows x
 hidden x intermediate FLOPs of each of the MLP's six GEMMs), so a train step holds one tensor of
 (tokens x intermediate) less per layer: 128 MiB a layer of Llama-3.2-1B at 4 x 2048 tokens.
