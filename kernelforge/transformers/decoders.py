@@ -86,7 +86,7 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def _fused_mlp_forward(self, x: torch.Tensor, *, kind: str) -> torch.Tensor:
-    if not x.dtype == self.gate_proj.weight.dtype:  # transformers' mixed-dtype promotion, as it was
+    if x.dtype != self.gate_proj.weight.dtype:  # transformers' mixed-dtype promotion, as it was
         return type(self).forward(self, x)
     return gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, activation=kind)
 
