@@ -39,9 +39,17 @@ FAMILY_MODELS = {
     "olmo2": lambda tie: transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**SHAPE, tie_word_embeddings=tie)),
     "phi3": lambda tie: transformers.Phi3ForCausalLM(transformers.Phi3Config(
         **SHAPE, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=tie)),
+    # mixtures of experts (the router's auxiliary loss on for Mixtral; Qwen3-MoE's first layer dense)
+    "mixtral": lambda tie: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **SHAPE, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, tie_word_embeddings=tie)),
+    "qwen3_moe": lambda tie: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **SHAPE, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0],
+        tie_word_embeddings=tie)),
 }
 # the families whose attention forward kernelforge replaces (kf.rope inside); the MLP's note
-ROPE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+MOE_LAYERS = {"mixtral": ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"],
+              "qwen3_moe": ["model.layers.1.mlp.experts"]}
 MLP_NOTES = {"phi3": "kf.swiglu(gate_up_proj(x))", "gemma": "kf.gated_mlp (gelu_tanh",
              "gemma2": "kf.gated_mlp (gelu_tanh", "gemma3_text": "kf.gated_mlp (gelu_tanh"}
 
@@ -59,17 +67,20 @@ def patched(model):
 
 @pytest.mark.parametrize("family,tie", [("llama", True), ("llama", False), ("mistral", True), ("qwen2", False),
                                         ("qwen3", True), ("gemma", True), ("gemma2", True), ("gemma3_text", False),
-                                        ("granite", True), ("olmo2", False), ("phi3", False)])
+                                        ("granite", True), ("olmo2", False), ("phi3", False), ("mixtral", True),
+                                        ("qwen3_moe", False)])
 def test_patched_model_computes_the_same(family, tie):
     reference, model = tiny_llama(tie=tie, family=family), tiny_llama(tie=tie, family=family)
     report = patched(model)
     names = {r.name for r in report}
-    assert {"model.layers.0.mlp", "model.layers.1.post_attention_layernorm", "model.norm", "lm_head", ""} <= names
+    assert {"model.layers.1.post_attention_layernorm", "model.norm", "lm_head", ""} <= names
     assert ("model.layers.0.self_attn" in names) == (family in ROPE_FAMILIES)
-    if family in ("qwen3", "olmo2", "gemma3_text"):
+    if family in ("qwen3", "olmo2", "gemma3_text", "qwen3_moe"):
         assert "model.layers.0.self_attn.q_norm" in names
-    assert MLP_NOTES.get(family, "kf.gated_mlp (silu") in next(r.note for r in report if r.name == "model.layers.0.mlp")
-    assert report.skipped == []
+    if family != "mixtral":  # Mixtral has no dense MLP
+        note = next(r.note for r in report if r.name == "model.layers.0.mlp")
+        assert MLP_NOTES.get(family, "kf.gated_mlp (silu") in note
+    assert [s.name for s in report.skipped] == MOE_LAYERS.get(family, [])
     ids = torch.randint(0, 300, (2, 16))
     labels = ids.clone()
     labels[0, :5] = -100

@@ -16,19 +16,20 @@ What a family's patch does (kernelforge/transformers/decoders.py has each family
                    keeping it: one (tokens x intermediate) tensor less a layer); with a bias or
                    hooks on a projection, down_proj(kf.swiglu(gate_proj(x), up_proj(x))); Phi-3's
                    packed gate_up_proj: down_proj(kf.swiglu(gate_up_proj(x)))
-    attention      Llama, Mistral, Qwen2, Qwen3: transformers' forward with kf.rope for q and k
-                   (the attention function is the one config._attn_implementation names in
-                   transformers' registry); the other families keep transformers' attention. A
-                   model on "sdpa" moves to "kernelforge" (kernelforge/transformers/attention.py:
-                   SDPA whose causal mask stays implicit under torch.compile)
+    attention      Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE: transformers' forward with
+                   kf.rope for q and k (the attention function is the one
+                   config._attn_implementation names in transformers' registry); the other
+                   families keep transformers' attention. A model on "sdpa" moves to "kernelforge"
+                   (kernelforge/transformers/attention.py: SDPA whose causal mask stays implicit
+                   under torch.compile)
     causal-LM loss with labels, the head and the loss -> kf.fused_linear_cross_entropy over the
                    hidden states in training (the logits never exist whole; the output's logits
                    are None), Granite's logit scale and Gemma 2 / 3's softcap included
 The Linear layers stay torch's (cuBLAS), the MLP's GEMMs too. The attention and the loss follow
 transformers' forwards (the attention's is a replacement with kf.rope in it; the loss's wraps
 transformers' own) as the versions in TESTED_VERSIONS have them; with another version they are not
-patched, and the report says so. Not patched: mixture-of-experts blocks (Mixtral, Qwen3-MoE),
-encoder models (BERT, ViT) and GPT-2.
+patched, and the report says so. Not patched: the experts of mixtures of experts (Mixtral,
+Qwen3-MoE: their attention, norms and loss are), encoder models (BERT, ViT) and GPT-2.
 """
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ import torch
 TESTED_VERSIONS = ("5.17", "5.24")  # transformers major.minor whose causal-LM forward the loss patch was tested on
 # config.model_type values patched here (kernelforge/transformers/decoders.py: decoder-only causal
 # LMs built like Llama)
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "olmo2", "phi3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "olmo2", "phi3",
+            "mixtral", "qwen3_moe")
 
 
 def family(model: torch.nn.Module) -> Optional[str]:

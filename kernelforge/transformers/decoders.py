@@ -14,6 +14,8 @@ the causal-LM head's loss. What the families differ in (their Family):
   kf.rms_norm either way (with the weight 1 + w made in float32 for Gemma).
 - the MLP: gate_proj / up_proj / down_proj (kf.gated_mlp, the activation from the module: silu,
   gelu, gelu tanh) or a packed gate_up_proj (Phi-3: down_proj(kf.swiglu(gate_up_proj(x)))).
+- mixtures of experts (Mixtral, Qwen3-MoE): the attention, norms, dense MLPs and loss as above;
+  the experts' MLPs (kept as 3-D weights) stay transformers'.
 - the head: logits divided by a scale (Granite: the hidden states divided instead, by transformers'
   own code, before the fused loss) or softcapped (Gemma 2 / 3: the fused loss caps them).
 
@@ -64,7 +66,10 @@ FAMILIES = {"llama": Family("Llama"), "mistral": Family("Mistral", window="confi
             "gemma2": Family("Gemma2", attention=False, norm_offset=True),
             "gemma3_text": Family("Gemma3", attention=False, norm_offset=True),
             "granite": Family("Granite", attention=False), "olmo2": Family("Olmo2", attention=False),
-            "phi3": Family("Phi3", attention=False, packed_mlp=True)}
+            "phi3": Family("Phi3", attention=False, packed_mlp=True),
+            # mixtures of experts: their experts (3-D weights) stay transformers' (the report says so)
+            "mixtral": Family("Mixtral", window="config"),
+            "qwen3_moe": Family("Qwen3Moe", window="module", qk_norm=True)}
 # the MLP's activation module (transformers.activations) -> kernelforge's gated kind
 GATED_KINDS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUActivation": "gelu", "GELUTanh": "gelu_tanh",
                "PytorchGELUTanh": "gelu_tanh"}
@@ -270,6 +275,8 @@ def patch(model: torch.nn.Module, model_type: str) -> Replacements:
                 take(name, module, _rms_norm_forward, "forward -> kf.rms_norm")
         elif kind == f"{family.prefix}MLP" and not module.__dict__.get(MARK):
             _patch_mlp(name, module, family, take, skipped)
+        elif kind == f"{family.prefix}Experts" and not model.__dict__.get(MARK):
+            skipped.append(Skipped(name, kind, "a mixture of experts' MLPs (3-D weights): transformers' own"))
     if not model.__dict__.get(MARK):
         _use_kernelforge_attention(model, replaced, skipped)
         reason = _loss_skip_reason(model, family)
