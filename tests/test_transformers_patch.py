@@ -45,12 +45,16 @@ FAMILY_MODELS = {
     "qwen3_moe": lambda tie: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
         **SHAPE, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0],
         tie_word_embeddings=tie)),
+    # GPT-2: LayerNorms, a GELU MLP between Conv1D projections (dropout off: the losses must match)
+    "gpt2": lambda tie: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=300, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, tie_word_embeddings=tie)),
 }
 # the families whose attention forward kernelforge replaces (kf.rope inside); the MLP's note
 ROPE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 MOE_LAYERS = {"mixtral": ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"],
               "qwen3_moe": ["model.layers.1.mlp.experts"]}
-MLP_NOTES = {"phi3": "kf.swiglu(gate_up_proj(x))", "gemma": "kf.gated_mlp (gelu_tanh",
+MLP_NOTES = {"phi3": "kf.swiglu(gate_up_proj(x))", "gpt2": "kf.gelu(c_fc(x), approximate='tanh')", "gemma": "kf.gated_mlp (gelu_tanh",
              "gemma2": "kf.gated_mlp (gelu_tanh", "gemma3_text": "kf.gated_mlp (gelu_tanh"}
 
 
@@ -68,17 +72,19 @@ def patched(model):
 @pytest.mark.parametrize("family,tie", [("llama", True), ("llama", False), ("mistral", True), ("qwen2", False),
                                         ("qwen3", True), ("gemma", True), ("gemma2", True), ("gemma3_text", False),
                                         ("granite", True), ("olmo2", False), ("phi3", False), ("mixtral", True),
-                                        ("qwen3_moe", False)])
+                                        ("qwen3_moe", False), ("gpt2", True)])
 def test_patched_model_computes_the_same(family, tie):
     reference, model = tiny_llama(tie=tie, family=family), tiny_llama(tie=tie, family=family)
     report = patched(model)
     names = {r.name for r in report}
-    assert {"model.layers.1.post_attention_layernorm", "model.norm", "lm_head", ""} <= names
-    assert ("model.layers.0.self_attn" in names) == (family in ROPE_FAMILIES)
+    layer, norms = (("transformer.h", {"transformer.h.1.ln_2", "transformer.ln_f"}) if family == "gpt2" else
+                    ("model.layers", {"model.layers.1.post_attention_layernorm", "model.norm"}))
+    assert norms | {"lm_head", ""} <= names
+    assert (f"{layer}.0.self_attn" in names) == (family in ROPE_FAMILIES)
     if family in ("qwen3", "olmo2", "gemma3_text", "qwen3_moe"):
         assert "model.layers.0.self_attn.q_norm" in names
     if family != "mixtral":  # Mixtral has no dense MLP
-        note = next(r.note for r in report if r.name == "model.layers.0.mlp")
+        note = next(r.note for r in report if r.name == f"{layer}.0.mlp")
         assert MLP_NOTES.get(family, "kf.gated_mlp (silu") in note
     assert [s.name for s in report.skipped] == MOE_LAYERS.get(family, [])
     ids = torch.randint(0, 300, (2, 16))
@@ -191,7 +197,7 @@ def test_apply_patches_the_models_built_in_its_block(tmp_path):
     ids = torch.randint(0, 300, (2, 12))
     torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, later(input_ids=ids, labels=ids).loss)
     with pytest.raises(ValueError, match="unknown families"):
-        with kf_transformers.apply("gpt2"):
+        with kf_transformers.apply("bert"):
             pass
 
 
@@ -201,8 +207,8 @@ def test_family():
     assert kf_transformers.FAMILIES == tuple(decoders.FAMILIES)
     for family in FAMILY_MODELS:
         assert kf_transformers.family(tiny_llama(family=family)) == family
-    assert kf_transformers.family(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32,
-                                                                                        n_head=2))) is None
+    assert kf_transformers.family(transformers.BertForMaskedLM(transformers.BertConfig(
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=100))) is None
     assert kf_transformers.family(torch.nn.Linear(2, 2)) is None
     with pytest.raises(ValueError, match="not a transformers model of a supported family"):
         kf_transformers.patch(torch.nn.Linear(2, 2))

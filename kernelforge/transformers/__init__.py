@@ -11,11 +11,13 @@ second patch changes nothing.
         model = transformers.AutoModelForCausalLM.from_pretrained(path)
 
 What a family's patch does (kernelforge/transformers/decoders.py has each family's details):
-    RMSNorm        forward -> kf.rms_norm (one kernel, float32 inside, rounded once; Gemma's 1 + w)
+    RMSNorm        forward -> kf.rms_norm (one kernel, float32 inside, rounded once; Gemma's 1 + w);
+                   GPT-2's LayerNorms -> kf.layer_norm
     gated MLP      forward -> kf.gated_mlp (its backward makes act(gate) * up again instead of
                    keeping it: one (tokens x intermediate) tensor less a layer); with a bias or
                    hooks on a projection, down_proj(kf.swiglu(gate_proj(x), up_proj(x))); Phi-3's
-                   packed gate_up_proj: down_proj(kf.swiglu(gate_up_proj(x)))
+                   packed gate_up_proj: down_proj(kf.swiglu(gate_up_proj(x))); GPT-2's:
+                   c_proj(kf.gelu(c_fc(x)))
     attention      Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE: transformers' forward with
                    kf.rope for q and k (the attention function is the one
                    config._attn_implementation names in transformers' registry); the other
@@ -29,7 +31,7 @@ The Linear layers stay torch's (cuBLAS), the MLP's GEMMs too. The attention and 
 transformers' forwards (the attention's is a replacement with kf.rope in it; the loss's wraps
 transformers' own) as the versions in TESTED_VERSIONS have them; with another version they are not
 patched, and the report says so. Not patched: the experts of mixtures of experts (Mixtral,
-Qwen3-MoE: their attention, norms and loss are), encoder models (BERT, ViT) and GPT-2.
+Qwen3-MoE: their attention, norms and loss are) and encoder models (BERT, ViT).
 """
 from __future__ import annotations
 
@@ -41,9 +43,9 @@ import torch
 
 TESTED_VERSIONS = ("5.17", "5.24")  # transformers major.minor whose causal-LM forward the loss patch was tested on
 # config.model_type values patched here (kernelforge/transformers/decoders.py: decoder-only causal
-# LMs built like Llama)
+# LMs built like Llama, and GPT-2)
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "olmo2", "phi3",
-            "mixtral", "qwen3_moe")
+            "mixtral", "qwen3_moe", "gpt2")
 
 
 def family(model: torch.nn.Module) -> Optional[str]:

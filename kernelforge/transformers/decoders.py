@@ -16,6 +16,8 @@ the causal-LM head's loss. What the families differ in (their Family):
   gelu, gelu tanh) or a packed gate_up_proj (Phi-3: down_proj(kf.swiglu(gate_up_proj(x)))).
 - mixtures of experts (Mixtral, Qwen3-MoE): the attention, norms, dense MLPs and loss as above;
   the experts' MLPs (kept as 3-D weights) stay transformers'.
+- GPT-2: its LayerNorms (kf.layer_norm) and its MLP's GELU (kf.gelu between the Conv1D
+  projections); attention transformers'.
 - the head: logits divided by a scale (Granite: the hidden states divided instead, by transformers'
   own code, before the fused loss) or softcapped (Gemma 2 / 3: the fused loss caps them).
 
@@ -39,10 +41,11 @@ import torch
 import torch.nn.functional as F
 
 from kernelforge._replacements import Replacement, Replacements, Skipped
+from kernelforge.ops.activations import gelu
 from kernelforge.ops.gated_activations import swiglu
 from kernelforge.ops.gated_mlp import gated_mlp
 from kernelforge.ops.linear_cross_entropy import fused_linear_cross_entropy
-from kernelforge.ops.norms import rms_norm
+from kernelforge.ops.norms import layer_norm, rms_norm
 from kernelforge.ops.rope import rope
 from kernelforge.transformers import attention
 
@@ -57,6 +60,12 @@ class Family:
     qk_norm: bool = False  # q_norm / k_norm over the head dim before the rotation
     norm_offset: bool = False  # the norm's scale is 1 + w, applied in float32 (Gemma)
     packed_mlp: bool = False  # gate_up_proj holds [gate | up] (Phi-3)
+    gelu_mlp: bool = False  # c_proj(act(c_fc(x))) with torch.nn.LayerNorm norms (GPT-2)
+    causal_lm: Optional[str] = None  # the causal LM's class name, if not <prefix>ForCausalLM
+
+    @property
+    def causal_lm_class(self) -> str:
+        return self.causal_lm or f"{self.prefix}ForCausalLM"
 
 
 # config.model_type -> what its transformers modeling code does (transformers 5.17 and 5.24)
@@ -69,10 +78,14 @@ FAMILIES = {"llama": Family("Llama"), "mistral": Family("Mistral", window="confi
             "phi3": Family("Phi3", attention=False, packed_mlp=True),
             # mixtures of experts: their experts (3-D weights) stay transformers' (the report says so)
             "mixtral": Family("Mixtral", window="config"),
-            "qwen3_moe": Family("Qwen3Moe", window="module", qk_norm=True)}
+            "qwen3_moe": Family("Qwen3Moe", window="module", qk_norm=True),
+            "gpt2": Family("GPT2", attention=False, gelu_mlp=True, causal_lm="GPT2LMHeadModel")}
 # the MLP's activation module (transformers.activations) -> kernelforge's gated kind
 GATED_KINDS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUActivation": "gelu", "GELUTanh": "gelu_tanh",
                "PytorchGELUTanh": "gelu_tanh"}
+# GPT-2's activation module -> kf.gelu's approximate
+GELU_APPROXIMATIONS = {"GELUActivation": "none", "NewGELUActivation": "tanh", "GELUTanh": "tanh",
+                       "PytorchGELUTanh": "tanh"}
 
 
 def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -83,7 +96,18 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 def _offset_rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     """Gemma's: normalized x times (1 + w), in float32, rounded once to x's dtype."""
-    return rms_norm(x, 1.0 + self.weight.float(), self.eps)
+    return rms_norm(x, self.weight, self.eps, 1.0)
+
+
+def _layer_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    if x.dtype != self.weight.dtype:  # torch's mixed-dtype promotion, as it was
+        return type(self).forward(self, x)
+    return layer_norm(x, self.weight, self.bias, self.eps, normalized_shape=self.normalized_shape)
+
+
+def _conv1d_mlp_forward(self, x: torch.Tensor, *, approximate: str) -> torch.Tensor:
+    """GPT-2's: c_proj(gelu(c_fc(x))) (Conv1D projections: x @ W + b), the GELU by kf.gelu."""
+    return self.dropout(self.c_proj(gelu(self.c_fc(x), approximate=approximate)))
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -197,8 +221,8 @@ def _loss_skip_reason(model, family: Family) -> str | None:
     untested = _untested_version()
     if untested:
         return f"the fused loss follows transformers' causal-LM forward as tested; {untested}"
-    if type(model).__name__ != f"{family.prefix}ForCausalLM":
-        return f"the fused loss is for {family.prefix}ForCausalLM"
+    if type(model).__name__ != family.causal_lm_class:
+        return f"the fused loss is for {family.causal_lm_class}"
     if type(model.lm_head) is not torch.nn.Linear or model.lm_head._forward_hooks or model.lm_head._forward_pre_hooks:
         return "the head is not a plain nn.Linear without hooks"
     if "_loss_function" in model.__dict__ or getattr(model, "loss_type", None) not in (None, "ForCausalLM"):
@@ -225,7 +249,15 @@ def _use_kernelforge_attention(model, replaced: list, skipped: list) -> None:
 
 
 def _patch_mlp(name: str, module, family: Family, take, skipped: list) -> None:
-    act = getattr(module, "act_fn", getattr(module, "activation_fn", None))
+    act = getattr(module, "act_fn", getattr(module, "activation_fn", getattr(module, "act", None)))
+    if family.gelu_mlp:
+        approximate = GELU_APPROXIMATIONS.get(type(act).__name__)
+        if approximate is None:
+            skipped.append(Skipped(name, type(module).__qualname__, f"activation {type(act).__name__}, not a GELU"))
+        else:
+            take(name, module, functools.partial(_conv1d_mlp_forward, approximate=approximate),
+                 f"forward -> c_proj(kf.gelu(c_fc(x), approximate={approximate!r}))")
+        return
     gated = GATED_KINDS.get(type(act).__name__)
     if family.packed_mlp:
         if gated == "silu":
@@ -275,6 +307,8 @@ def patch(model: torch.nn.Module, model_type: str) -> Replacements:
                 take(name, module, _rms_norm_forward, "forward -> kf.rms_norm")
         elif kind == f"{family.prefix}MLP" and not module.__dict__.get(MARK):
             _patch_mlp(name, module, family, take, skipped)
+        elif family.gelu_mlp and type(module) is torch.nn.LayerNorm:
+            take(name, module, _layer_norm_forward, "forward -> kf.layer_norm")
         elif kind == f"{family.prefix}Experts" and not model.__dict__.get(MARK):
             skipped.append(Skipped(name, kind, "a mixture of experts' MLPs (3-D weights): transformers' own"))
     if not model.__dict__.get(MARK):
