@@ -27,7 +27,8 @@ reported, as is a module with hooks registered on it, which a new module would n
 A submodule with a method kernelforge_patch(self) -> Optional[str] patches itself: it is called
 (its note is recorded, None meaning nothing changed) and not descended into.
 A Hugging Face transformers model of a family kernelforge.transformers knows (FAMILIES) is
-patched by it instead (RMSNorm, gated MLP, the causal-LM loss; its Linear layers stay cuBLAS's).
+patched by it instead (norms, MLPs, rope, attention masks, the causal-LM loss; its Linear layers
+stay cuBLAS's).
 """
 from __future__ import annotations
 

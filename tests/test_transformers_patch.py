@@ -54,8 +54,9 @@ FAMILY_MODELS = {
 ROPE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 MOE_LAYERS = {"mixtral": ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"],
               "qwen3_moe": ["model.layers.1.mlp.experts"]}
-MLP_NOTES = {"phi3": "kf.swiglu(gate_up_proj(x))", "gpt2": "kf.gelu(c_fc(x), approximate='tanh')", "gemma": "kf.gated_mlp (gelu_tanh",
-             "gemma2": "kf.gated_mlp (gelu_tanh", "gemma3_text": "kf.gated_mlp (gelu_tanh"}
+MLP_NOTES = {"phi3": "kf.swiglu(gate_up_proj(x))", "gpt2": "kf.gelu(c_fc(x), approximate='tanh')",
+             "gemma": "kf.gated_mlp (gelu_tanh", "gemma2": "kf.gated_mlp (gelu_tanh",
+             "gemma3_text": "kf.gated_mlp (gelu_tanh"}
 
 
 def tiny_llama(seed=0, tie=True, family="llama"):
@@ -197,18 +198,18 @@ def test_apply_patches_the_models_built_in_its_block(tmp_path):
     ids = torch.randint(0, 300, (2, 12))
     torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, later(input_ids=ids, labels=ids).loss)
     with pytest.raises(ValueError, match="unknown families"):
-        with kf_transformers.apply("bert"):
+        with kf_transformers.apply("t5"):
             pass
 
 
 def test_family():
-    from kernelforge.transformers import decoders
+    from kernelforge.transformers import decoders, encoders
 
-    assert kf_transformers.FAMILIES == tuple(decoders.FAMILIES)
+    assert kf_transformers.FAMILIES == tuple(decoders.FAMILIES) + tuple(encoders.ENCODERS)
     for family in FAMILY_MODELS:
         assert kf_transformers.family(tiny_llama(family=family)) == family
-    assert kf_transformers.family(transformers.BertForMaskedLM(transformers.BertConfig(
-        num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=100))) is None
+    assert kf_transformers.family(transformers.T5ForConditionalGeneration(transformers.T5Config(
+        num_layers=1, d_model=32, d_kv=8, num_heads=2, d_ff=64, vocab_size=100))) is None
     assert kf_transformers.family(torch.nn.Linear(2, 2)) is None
     with pytest.raises(ValueError, match="not a transformers model of a supported family"):
         kf_transformers.patch(torch.nn.Linear(2, 2))
@@ -228,6 +229,46 @@ def test_compiles_without_graph_breaks():
     want.backward()
     for a, b in zip(reference.parameters(), model.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6)
+
+
+ENCODER_MODELS = {
+    "bert": lambda: transformers.BertForMaskedLM(transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=300,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+    "vit": lambda: transformers.ViTForImageClassification(transformers.ViTConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, image_size=32,
+        patch_size=8, num_labels=5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+}
+
+
+@pytest.mark.parametrize("family", list(ENCODER_MODELS))
+def test_encoders_compute_the_same(family):
+    # BERT and ViT: LayerNorms, the MLP's GELU, BERT's residual + LayerNorm blocks; the loss, the
+    # outputs and every gradient as the unpatched model's; a second patch changes nothing
+    torch.manual_seed(0)
+    reference = ENCODER_MODELS[family]()
+    torch.manual_seed(0)
+    model = ENCODER_MODELS[family]()
+    report = patched(model)
+    def note(suffix):  # the layers' path differs between transformers versions (encoder.layer, layers)
+        return next(r.note for r in report if r.name.endswith(suffix))
+
+    if family == "bert":
+        assert "kf.gelu" in note("0.intermediate") and "kf.add_layer_norm" in note("1.output")
+        assert "kf.add_layer_norm" in note("0.attention.output")
+        inputs = dict(input_ids=torch.randint(0, 300, (2, 12)), labels=torch.randint(0, 300, (2, 12)))
+    else:
+        assert "kf.gelu" in note("0.mlp") and "kf.layer_norm" in note("1.layernorm_after")
+        inputs = dict(pixel_values=torch.randn(2, 3, 32, 32), labels=torch.randint(0, 5, (2,)))
+    assert report.skipped == []
+    got, want = model(**inputs), reference(**inputs)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    got.loss.backward()
+    want.loss.backward()
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert patched(model) == []
 
 
 def test_kernelforge_attention_keeps_the_causal_mask_implicit(monkeypatch):

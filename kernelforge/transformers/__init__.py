@@ -31,7 +31,8 @@ The Linear layers stay torch's (cuBLAS), the MLP's GEMMs too. The attention and 
 transformers' forwards (the attention's is a replacement with kf.rope in it; the loss's wraps
 transformers' own) as the versions in TESTED_VERSIONS have them; with another version they are not
 patched, and the report says so. Not patched: the experts of mixtures of experts (Mixtral,
-Qwen3-MoE: their attention, norms and loss are) and encoder models (BERT, ViT).
+Qwen3-MoE: their attention, norms and loss are). BERT and ViT (kernelforge/transformers/encoders.py):
+their LayerNorms, their MLP's GELU and BERT's residual + LayerNorm blocks (kf.add_layer_norm).
 """
 from __future__ import annotations
 
@@ -43,9 +44,9 @@ import torch
 
 TESTED_VERSIONS = ("5.17", "5.24")  # transformers major.minor whose causal-LM forward the loss patch was tested on
 # config.model_type values patched here (kernelforge/transformers/decoders.py: decoder-only causal
-# LMs built like Llama, and GPT-2)
+# LMs built like Llama, and GPT-2; encoders.py: BERT and ViT)
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "olmo2", "phi3",
-            "mixtral", "qwen3_moe", "gpt2")
+            "mixtral", "qwen3_moe", "gpt2", "bert", "vit")
 
 
 def family(model: torch.nn.Module) -> Optional[str]:
@@ -72,8 +73,10 @@ def patch(model: torch.nn.Module):
     if name is None:
         raise ValueError(f"kernelforge.transformers.patch: {type(model).__qualname__} is not a transformers model of "
                          f"a supported family {FAMILIES}")
-    from kernelforge.transformers import decoders
+    from kernelforge.transformers import decoders, encoders
 
+    if name in encoders.ENCODERS:
+        return encoders.patch(model, name)
     return decoders.patch(model, name)
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import sys
-import types
 from dataclasses import dataclass
 from typing import Optional
 
@@ -45,11 +44,11 @@ from kernelforge.ops.activations import gelu
 from kernelforge.ops.gated_activations import swiglu
 from kernelforge.ops.gated_mlp import gated_mlp
 from kernelforge.ops.linear_cross_entropy import fused_linear_cross_entropy
-from kernelforge.ops.norms import layer_norm, rms_norm
+from kernelforge.ops.norms import rms_norm
 from kernelforge.ops.rope import rope
 from kernelforge.transformers import attention
-
-MARK = "_kernelforge_patched"  # an instance attribute: the module's forward is kernelforge's
+from kernelforge.transformers.common import (GELU_APPROXIMATIONS, MARK, Patcher, layer_norm_forward, plain_linears,
+                                             untested_version)
 
 
 @dataclass(frozen=True)
@@ -83,9 +82,6 @@ FAMILIES = {"llama": Family("Llama"), "mistral": Family("Mistral", window="confi
 # the MLP's activation module (transformers.activations) -> kernelforge's gated kind
 GATED_KINDS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUActivation": "gelu", "GELUTanh": "gelu_tanh",
                "PytorchGELUTanh": "gelu_tanh"}
-# GPT-2's activation module -> kf.gelu's approximate
-GELU_APPROXIMATIONS = {"GELUActivation": "none", "NewGELUActivation": "tanh", "GELUTanh": "tanh",
-                       "PytorchGELUTanh": "tanh"}
 
 
 def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -97,12 +93,6 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 def _offset_rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     """Gemma's: normalized x times (1 + w), in float32, rounded once to x's dtype."""
     return rms_norm(x, self.weight, self.eps, 1.0)
-
-
-def _layer_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
-    if x.dtype != self.weight.dtype:  # torch's mixed-dtype promotion, as it was
-        return type(self).forward(self, x)
-    return layer_norm(x, self.weight, self.bias, self.eps, normalized_shape=self.normalized_shape)
 
 
 def _conv1d_mlp_forward(self, x: torch.Tensor, *, approximate: str) -> torch.Tensor:
@@ -122,16 +112,6 @@ def _fused_mlp_forward(self, x: torch.Tensor, *, kind: str) -> torch.Tensor:
 
 def _packed_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(swiglu(self.gate_up_proj(x)))
-
-
-def _plain_linears(module, names) -> bool:
-    """The projections are nn.Linear without a bias or hooks (the fused MLP reads their weights)."""
-    for name in names:
-        linear = getattr(module, name, None)
-        if (type(linear) is not torch.nn.Linear or linear.bias is not None or linear._forward_hooks
-                or linear._forward_pre_hooks):
-            return False
-    return True
 
 
 def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, *, family,
@@ -209,16 +189,8 @@ def _causal_lm_forward(self, *args, **kwargs):
     return type(out)(**{key: value for key, value in out.items() if key != "logits"})
 
 
-def _untested_version() -> str | None:
-    """Why forwards that follow transformers' code are not replaced (None: they are)."""
-    from kernelforge.transformers import transformers_version_tested
-
-    tested, version = transformers_version_tested()
-    return None if tested else f"installed {version} was not"
-
-
 def _loss_skip_reason(model, family: Family) -> str | None:
-    untested = _untested_version()
+    untested = untested_version()
     if untested:
         return f"the fused loss follows transformers' causal-LM forward as tested; {untested}"
     if type(model).__name__ != family.causal_lm_class:
@@ -235,7 +207,7 @@ def _use_kernelforge_attention(model, replaced: list, skipped: list) -> None:
     under torch.compile too (kernelforge.transformers.attention)."""
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
         return
-    untested = _untested_version()
+    untested = untested_version()
     if untested:
         skipped.append(Skipped("", type(model).__qualname__, f'attn_implementation stays "sdpa": the '
                                                              f'"{attention.NAME}" mask follows transformers\' masks as '
@@ -267,7 +239,7 @@ def _patch_mlp(name: str, module, family: Family, take, skipped: list) -> None:
     elif gated is None:
         skipped.append(Skipped(name, type(module).__qualname__,
                                f"activation {type(act).__name__}, not one of {sorted(GATED_KINDS)}"))
-    elif _plain_linears(module, ("gate_proj", "up_proj", "down_proj")):
+    elif plain_linears(module, ("gate_proj", "up_proj", "down_proj")):
         take(name, module, functools.partial(_fused_mlp_forward, kind=gated),
              f"forward -> kf.gated_mlp ({gated}; the backward recomputes act(gate) * up instead of keeping it)")
     elif gated == "silu":
@@ -278,19 +250,10 @@ def _patch_mlp(name: str, module, family: Family, take, skipped: list) -> None:
 
 def patch(model: torch.nn.Module, model_type: str) -> Replacements:
     family = FAMILIES[model_type]
-    replaced, skipped = [], []
+    patcher = Patcher()
+    take, replaced, skipped = patcher.take, patcher.replaced, patcher.skipped
 
-    def take(name, module, forward, note):
-        if module.__dict__.get(MARK):
-            return
-        if module._forward_hooks or module._forward_pre_hooks:
-            skipped.append(Skipped(name, type(module).__qualname__, "has hooks"))
-            return
-        module.forward = types.MethodType(forward, module)
-        module.__dict__[MARK] = note
-        replaced.append(Replacement(name, type(module).__qualname__, type(module).__qualname__, note))
-
-    untested = _untested_version()
+    untested = untested_version()
     for name, module in model.named_modules():
         kind = type(module).__name__
         if kind == f"{family.prefix}Attention" and family.attention and not module.__dict__.get(MARK):
@@ -308,7 +271,7 @@ def patch(model: torch.nn.Module, model_type: str) -> Replacements:
         elif kind == f"{family.prefix}MLP" and not module.__dict__.get(MARK):
             _patch_mlp(name, module, family, take, skipped)
         elif family.gelu_mlp and type(module) is torch.nn.LayerNorm:
-            take(name, module, _layer_norm_forward, "forward -> kf.layer_norm")
+            take(name, module, layer_norm_forward, "forward -> kf.layer_norm")
         elif kind == f"{family.prefix}Experts" and not model.__dict__.get(MARK):
             skipped.append(Skipped(name, kind, "a mixture of experts' MLPs (3-D weights): transformers' own"))
     if not model.__dict__.get(MARK):
@@ -321,7 +284,7 @@ def patch(model: torch.nn.Module, model_type: str) -> Replacements:
         else:
             skipped.append(Skipped("", type(model).__qualname__, reason))
         model.__dict__.setdefault(MARK, "patched")
-    return Replacements(replaced, skipped)
+    return patcher.report()
 
 
 __all__ = ["FAMILIES", "Family", "patch"]
