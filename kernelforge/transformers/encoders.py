@@ -37,8 +37,9 @@ def _residual_norm_forward(self, hidden_states: torch.Tensor, input_tensor: torc
     return add_layer_norm(h, input_tensor, norm.weight, norm.bias, norm.eps, normalized_shape=norm.normalized_shape)[0]
 
 
-def _gelu_of(activation) -> str | None:
-    return GELU_APPROXIMATIONS.get(type(activation).__name__)
+# an MLP block's class name after the prefix -> (its activation's attribute, the forward, what it does)
+GELU_BLOCKS = {"Intermediate": ("intermediate_act_fn", _intermediate_forward, "kf.gelu(dense(x), approximate={!r})"),
+               "MLP": ("activation_fn", _mlp_forward, "fc2(kf.gelu(fc1(x), approximate={!r}))")}
 
 
 def patch(model: torch.nn.Module, model_type: str) -> Replacements:
@@ -46,22 +47,18 @@ def patch(model: torch.nn.Module, model_type: str) -> Replacements:
     patcher = Patcher()
     for name, module in model.named_modules():
         kind = type(module).__name__
+        block = GELU_BLOCKS.get(kind[len(prefix):]) if kind.startswith(prefix) else None
         if type(module) is torch.nn.LayerNorm:
             patcher.take(name, module, layer_norm_forward, "forward -> kf.layer_norm")
-        elif kind == f"{prefix}Intermediate":
-            approximate = _gelu_of(module.intermediate_act_fn)
+        elif block is not None:
+            attribute, forward, what = block
+            activation = getattr(module, attribute)
+            approximate = GELU_APPROXIMATIONS.get(type(activation).__name__)
             if approximate is None:
-                patcher.skip(name, module, f"activation {type(module.intermediate_act_fn).__name__}, not a GELU")
+                patcher.skip(name, module, f"activation {type(activation).__name__}, not a GELU")
             else:
-                patcher.take(name, module, functools.partial(_intermediate_forward, approximate=approximate),
-                             f"forward -> kf.gelu(dense(x), approximate={approximate!r})")
-        elif kind == f"{prefix}MLP":
-            approximate = _gelu_of(module.activation_fn)
-            if approximate is None:
-                patcher.skip(name, module, f"activation {type(module.activation_fn).__name__}, not a GELU")
-            else:
-                patcher.take(name, module, functools.partial(_mlp_forward, approximate=approximate),
-                             f"forward -> fc2(kf.gelu(fc1(x), approximate={approximate!r}))")
+                patcher.take(name, module, functools.partial(forward, approximate=approximate),
+                             f"forward -> {what.format(approximate)}")
         elif kind in (f"{prefix}SelfOutput", f"{prefix}Output") and type(getattr(module, "LayerNorm", None)) is \
                 torch.nn.LayerNorm:
             norm = module.LayerNorm
