@@ -1,17 +1,18 @@
-"""The patch of transformers' decoder-only causal LMs built like Llama (FAMILIES; kernelforge.transformers
-dispatches here): per instance, forwards of this model's RMSNorm, MLP and attention modules, and
+"""The patch of transformers' decoder-only causal LMs built like Llama, and GPT-2 (FAMILIES;
+kernelforge.transformers dispatches here): per instance, forwards of this model's RMSNorm, MLP and attention modules, and
 the causal-LM head's loss. What the families differ in (their Family):
-- the attention: Llama, Mistral, Qwen2 and Qwen3 take transformers' LlamaAttention.forward with
+- the attention: Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE take transformers'
+  LlamaAttention.forward with
   kf.rope in place of apply_rotary_pos_emb (transformers calls it by its module-level name, so no
   instance setting reaches it), with what they add: a sliding window handed to the attention
-  function (Mistral from the config, Qwen2 / Qwen3 per layer), RMSNorms on q and k over the head
-  dim before the rotation (Qwen3). The projections, the cache update and the attention function
+  function (Mistral / Mixtral from the config, Qwen2 / Qwen3 / Qwen3-MoE per layer), RMSNorms on
+  q and k over the head dim before the rotation (Qwen3, Qwen3-MoE). The projections, the cache update and the attention function
   transformers' registry picks (config._attn_implementation) are as transformers does them, in
   the versions of TESTED_VERSIONS; with another version the attention is left alone, and the
   report says so. The other families keep transformers' attention (their q / k norms, fused qkv
   projections and post-norms are not copied here).
 - the norm: x * rsqrt(mean(x^2) + eps) times w (Llama) or times 1 + w in float32 (Gemma's):
-  kf.rms_norm either way (with the weight 1 + w made in float32 for Gemma).
+  kf.rms_norm either way (offset=1 for Gemma).
 - the MLP: gate_proj / up_proj / down_proj (kf.gated_mlp, the activation from the module: silu,
   gelu, gelu tanh) or a packed gate_up_proj (Phi-3: down_proj(kf.swiglu(gate_up_proj(x)))).
 - mixtures of experts (Mixtral, Qwen3-MoE): the attention, norms, dense MLPs and loss as above;
