@@ -1,34 +1,34 @@
 """The patch of transformers' decoder-only causal LMs built like Llama, and GPT-2 (FAMILIES;
-kernelforge.transformers dispatches here): per instance, forwards of this model's RMSNorm, MLP and attention modules, and
-the causal-LM head's loss. What the families differ in (their Family):
+kernelforge.transformers dispatches here): per instance, forwards of this model's RMSNorm, MLP and
+attention modules, and the causal-LM head's loss. What the families differ in (their Family):
 - the attention: Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE take transformers'
-  LlamaAttention.forward with
-  kf.rope in place of apply_rotary_pos_emb (transformers calls it by its module-level name, so no
-  instance setting reaches it), with what they add: a sliding window handed to the attention
-  function (Mistral / Mixtral from the config, Qwen2 / Qwen3 / Qwen3-MoE per layer), RMSNorms on
-  q and k over the head dim before the rotation (Qwen3, Qwen3-MoE). The projections, the cache update and the attention function
-  transformers' registry picks (config._attn_implementation) are as transformers does them, in
-  the versions of TESTED_VERSIONS; with another version the attention is left alone, and the
-  report says so. The other families keep transformers' attention (their q / k norms, fused qkv
-  projections and post-norms are not copied here).
+  LlamaAttention.forward with kf.rope in place of apply_rotary_pos_emb (transformers calls it by its
+  module-level name, so no instance setting reaches it), with what they add: a sliding window handed
+  to the attention function (Mistral / Mixtral from the config, Qwen2 / Qwen3 / Qwen3-MoE per
+  layer), RMSNorms on q and k over the head dim before the rotation (Qwen3, Qwen3-MoE). The
+  projections, the cache update and the attention function transformers' registry picks
+  (config._attn_implementation) are as transformers does them, in the versions of TESTED_VERSIONS;
+  with another version the attention is left alone, and the report says so. The other families keep
+  transformers' attention (their q / k norms, fused qkv projections and post-norms are not copied
+  here).
 - the norm: x * rsqrt(mean(x^2) + eps) times w (Llama) or times 1 + w in float32 (Gemma's):
   kf.rms_norm either way (offset=1 for Gemma).
 - the MLP: gate_proj / up_proj / down_proj (kf.gated_mlp, the activation from the module: silu,
   gelu, gelu tanh) or a packed gate_up_proj (Phi-3: down_proj(kf.swiglu(gate_up_proj(x)))).
-- mixtures of experts (Mixtral, Qwen3-MoE): the attention, norms, dense MLPs and loss as above;
-  the experts' MLPs (kept as 3-D weights) stay transformers'.
-- GPT-2: its LayerNorms (kf.layer_norm) and its MLP's GELU (kf.gelu between the Conv1D
-  projections); attention transformers'.
+- mixtures of experts (Mixtral, Qwen3-MoE): the attention, norms, dense MLPs and loss as above; the
+  experts' MLPs (kept as 3-D weights) stay transformers'.
+- GPT-2: its LayerNorms (kf.layer_norm) and its MLP's GELU (kf.gelu between the Conv1D projections);
+  attention transformers'.
 - the head: logits divided by a scale (Granite: the hidden states divided instead, by transformers'
   own code, before the fused loss) or softcapped (Gemma 2 / 3: the fused loss caps them).
 
 The loss: with labels, the causal-LM forward (transformers' own, not a copy) runs with the head
 passing the hidden states through and, for that call, a loss_function (transformers' per-instance
 loss interface) that takes them to kf.fused_linear_cross_entropy with the head's weight, shifting
-the labels and reducing as transformers' ForCausalLMLoss does (mean over the tokens not ignored,
-or a sum over num_items_in_batch under gradient accumulation). The output then has no logits
-(None): they were never made. In training only (as Liger-Kernel's does): in eval mode, without
-labels, or with return_dict=False, the forward is transformers' as it was.
+the labels and reducing as transformers' ForCausalLMLoss does (mean over the tokens not ignored, or
+a sum over num_items_in_batch under gradient accumulation). The output then has no logits (None):
+they were never made. In training only (as Liger-Kernel's does): in eval mode, without labels, or
+with return_dict=False, the forward is transformers' as it was.
 """
 from __future__ import annotations
 
