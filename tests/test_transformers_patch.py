@@ -118,6 +118,39 @@ def test_a_projection_with_a_hook_keeps_the_unfused_mlp():
     assert calls == [1]
 
 
+class LowRank(torch.nn.Module):
+    """A LoRA-like wrapper: the wrapped Linear plus a low-rank delta (what PEFT puts in place)."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.base = linear
+        self.a = torch.nn.Parameter(torch.randn(4, linear.in_features) * 0.1)
+        self.b = torch.nn.Parameter(torch.randn(linear.out_features, 4) * 0.1)
+
+    def forward(self, x):
+        return self.base(x) + x @ self.a.t() @ self.b.t()
+
+
+def test_modules_wrapped_or_hooked_after_the_patch_are_honored():
+    # a projection wrapped (as PEFT's LoRA does) after kf.patch: the fused MLP, which reads the
+    # weights, gives way to transformers' forward; a hook on the head: the unfused head and loss
+    reference, model = tiny_llama(), tiny_llama()
+    patched(model)
+    torch.manual_seed(1)
+    reference.model.layers[0].mlp.up_proj = LowRank(reference.model.layers[0].mlp.up_proj)
+    torch.manual_seed(1)
+    model.model.layers[0].mlp.up_proj = LowRank(model.model.layers[0].mlp.up_proj)
+    ids = torch.randint(0, 300, (2, 10))
+    out = model(input_ids=ids, labels=ids)
+    torch.testing.assert_close(out.loss, reference(input_ids=ids, labels=ids).loss)
+    assert out.logits is None  # the fused loss still
+    seen = []
+    model.lm_head.register_forward_hook(lambda module, args, output: seen.append(output.shape))
+    out = model(input_ids=ids, labels=ids)
+    torch.testing.assert_close(out.loss, reference(input_ids=ids, labels=ids).loss)
+    assert seen == [(2, 10, 300)] and out.logits is not None
+
+
 def test_gradient_accumulation_and_tuple_outputs():
     # num_items_in_batch (transformers' Trainer under gradient accumulation): a sum over that
     # count; return_dict=False runs transformers' own forward, logits included

@@ -80,6 +80,7 @@ FAMILIES = {"llama": Family("Llama"), "mistral": Family("Mistral", window="confi
             "mixtral": Family("Mixtral", window="config"),
             "qwen3_moe": Family("Qwen3Moe", window="module", qk_norm=True),
             "gpt2": Family("GPT2", attention=False, gelu_mlp=True, causal_lm="GPT2LMHeadModel")}
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # the MLP's activation module (transformers.activations) -> kernelforge's gated kind
 GATED_KINDS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUActivation": "gelu", "GELUTanh": "gelu_tanh",
                "PytorchGELUTanh": "gelu_tanh"}
@@ -106,7 +107,9 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def _fused_mlp_forward(self, x: torch.Tensor, *, kind: str) -> torch.Tensor:
-    if x.dtype != self.gate_proj.weight.dtype:  # transformers' mixed-dtype promotion, as it was
+    # transformers' own forward for mixed dtypes, and for projections wrapped or hooked after the
+    # patch (a LoRA adapter added by PEFT, say): the fused MLP reads the weights, not the modules
+    if x.dtype != self.gate_proj.weight.dtype or not plain_linears(self, MLP_PROJECTIONS):
         return type(self).forward(self, x)
     return gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, activation=kind)
 
@@ -169,10 +172,12 @@ def _causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ig
 
 
 def _causal_lm_forward(self, *args, **kwargs):
-    if (not self.training or kwargs.get("labels") is None or kwargs.get("return_dict") is False
-            or "_loss_function" in self.__dict__):  # evaluation keeps its logits (metrics read them)
-        return type(self).forward(self, *args, **kwargs)
     head = self.lm_head
+    if (not self.training or kwargs.get("labels") is None or kwargs.get("return_dict") is False
+            or "_loss_function" in self.__dict__  # evaluation keeps its logits (metrics read them)
+            # a head replaced (a PEFT wrapper, say) or hooked after the patch
+            or "forward" not in head.__dict__ or head._forward_hooks or head._forward_pre_hooks):
+        return type(self).forward(self, *args, **kwargs)
     # Gemma 2 / 3 cap the logits before the loss: the fused loss caps them, the forward must not
     # cap the hidden states the head passes through (for this call only)
     softcap = getattr(self.config, "final_logit_softcapping", None)
@@ -240,7 +245,7 @@ def _patch_mlp(name: str, module, family: Family, take, skipped: list) -> None:
     elif gated is None:
         skipped.append(Skipped(name, type(module).__qualname__,
                                f"activation {type(act).__name__}, not one of {sorted(GATED_KINDS)}"))
-    elif plain_linears(module, ("gate_proj", "up_proj", "down_proj")):
+    elif plain_linears(module, MLP_PROJECTIONS):
         take(name, module, functools.partial(_fused_mlp_forward, kind=gated),
              f"forward -> kf.gated_mlp ({gated}; the backward recomputes act(gate) * up instead of keeping it)")
     elif gated == "silu":
