@@ -151,6 +151,23 @@ def test_modules_wrapped_or_hooked_after_the_patch_are_honored():
     assert seen == [(2, 10, 300)] and out.logits is not None
 
 
+def test_gradient_checkpointing():
+    # transformers' gradient checkpointing runs the patched layers' forwards again in the backward
+    reference, model = tiny_llama(), tiny_llama()
+    patched(model)
+    for m in (reference, model):  # the name transformers 5.24 prefers, else 5.17's
+        getattr(m, "activation_checkpointing_enable", m.gradient_checkpointing_enable)()
+        m.train()
+    assert model.model.layers[0].gradient_checkpointing
+    ids = torch.randint(0, 300, (2, 10))
+    got, want = model(input_ids=ids, labels=ids).loss, reference(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(got, want)
+    got.backward()
+    want.backward()
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_gradient_accumulation_and_tuple_outputs():
     # num_items_in_batch (transformers' Trainer under gradient accumulation): a sum over that
     # count; return_dict=False runs transformers' own forward, logits included
