@@ -1,16 +1,16 @@
 """The patch of transformers' decoder-only causal LMs built like Llama, and GPT-2 (FAMILIES;
 kernelforge.transformers dispatches here): per instance, forwards of this model's RMSNorm, MLP and
 attention modules, and the causal-LM head's loss. What the families differ in (their Family):
-- the attention: Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE take transformers'
-  LlamaAttention.forward with kf.rope in place of apply_rotary_pos_emb (transformers calls it by its
-  module-level name, so no instance setting reaches it), with what they add: a sliding window handed
-  to the attention function (Mistral / Mixtral from the config, Qwen2 / Qwen3 / Qwen3-MoE per
-  layer), RMSNorms on q and k over the head dim before the rotation (Qwen3, Qwen3-MoE). The
-  projections, the cache update and the attention function transformers' registry picks
-  (config._attn_implementation) are as transformers does them, in the versions of TESTED_VERSIONS;
-  with another version the attention is left alone, and the report says so. The other families keep
-  transformers' attention (their q / k norms, fused qkv projections and post-norms are not copied
-  here).
+- the attention: Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, Gemma and Granite take
+  transformers' LlamaAttention.forward (theirs are the same; Granite's scale comes from its config)
+  with kf.rope in place of apply_rotary_pos_emb (transformers calls it by its module-level name, so
+  no instance setting reaches it), with what they add: a sliding window handed to the attention
+  function (Mistral / Mixtral from the config, Qwen2 / Qwen3 / Qwen3-MoE per layer), RMSNorms on q
+  and k over the head dim before the rotation (Qwen3, Qwen3-MoE). The projections, the cache update
+  and the attention function transformers' registry picks (config._attn_implementation) are as
+  transformers does them, in the versions of TESTED_VERSIONS; with another version the attention is
+  left alone, and the report says so. The other families keep transformers' attention (their q / k
+  norms, fused qkv projections and post-norms are not copied here).
 - the norm: x * rsqrt(mean(x^2) + eps) times w (Llama) or times 1 + w in float32 (Gemma's):
   kf.rms_norm either way (offset=1 for Gemma).
 - the MLP: gate_proj / up_proj / down_proj (kf.gated_mlp, the activation from the module: silu,
@@ -71,10 +71,10 @@ class Family:
 # config.model_type -> what its transformers modeling code does (transformers 5.17 and 5.24)
 FAMILIES = {"llama": Family("Llama"), "mistral": Family("Mistral", window="config"),
             "qwen2": Family("Qwen2", window="module"), "qwen3": Family("Qwen3", window="module", qk_norm=True),
-            "gemma": Family("Gemma", attention=False, norm_offset=True),
+            "gemma": Family("Gemma", norm_offset=True),
             "gemma2": Family("Gemma2", attention=False, norm_offset=True),
             "gemma3_text": Family("Gemma3", attention=False, norm_offset=True),
-            "granite": Family("Granite", attention=False), "olmo2": Family("Olmo2", attention=False),
+            "granite": Family("Granite"), "olmo2": Family("Olmo2", attention=False),
             "phi3": Family("Phi3", attention=False, packed_mlp=True),
             # mixtures of experts: their experts (3-D weights) stay transformers' (the report says so)
             "mixtral": Family("Mixtral", window="config"),
