@@ -51,7 +51,8 @@ FAMILY_MODELS = {
         attn_pdrop=0.0, tie_word_embeddings=tie)),
 }
 # the families whose attention forward kernelforge replaces (kf.rope inside); the MLP's note
-ROPE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma", "granite")
+ROPE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma", "gemma2", "gemma3_text",
+                 "granite")
 MOE_LAYERS = {"mixtral": ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"],
               "qwen3_moe": ["model.layers.1.mlp.experts"]}
 MLP_NOTES = {"phi3": "kf.swiglu(gate_up_proj(x))", "gpt2": "kf.gelu(c_fc(x), approximate='tanh')",

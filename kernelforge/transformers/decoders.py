@@ -1,16 +1,17 @@
 """The patch of transformers' decoder-only causal LMs built like Llama, and GPT-2 (FAMILIES;
 kernelforge.transformers dispatches here): per instance, forwards of this model's RMSNorm, MLP and
 attention modules, and the causal-LM head's loss. What the families differ in (their Family):
-- the attention: Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, Gemma and Granite take
-  transformers' LlamaAttention.forward (theirs are the same; Granite's scale comes from its config)
-  with kf.rope in place of apply_rotary_pos_emb (transformers calls it by its module-level name, so
-  no instance setting reaches it), with what they add: a sliding window handed to the attention
-  function (Mistral / Mixtral from the config, Qwen2 / Qwen3 / Qwen3-MoE per layer), RMSNorms on q
-  and k over the head dim before the rotation (Qwen3, Qwen3-MoE). The projections, the cache update
-  and the attention function transformers' registry picks (config._attn_implementation) are as
-  transformers does them, in the versions of TESTED_VERSIONS; with another version the attention is
-  left alone, and the report says so. The other families keep transformers' attention (their q / k
-  norms, fused qkv projections and post-norms are not copied here).
+- the attention: Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, Gemma, Gemma 2, Gemma 3 and
+  Granite take transformers' LlamaAttention.forward (theirs are the same; Granite's scale comes from
+  its config; Gemma 2 hands its attention softcap on) with kf.rope in place of apply_rotary_pos_emb
+  (transformers calls it by its module-level name, so no instance setting reaches it), with what
+  they add: a sliding window handed to the attention function (Mistral / Mixtral from the config,
+  Qwen2 / Qwen3 / Qwen3-MoE / Gemma 2 / 3 per layer), RMSNorms on q and k over the head dim before
+  the rotation (Qwen3, Qwen3-MoE, Gemma 3). The projections, the cache update and the attention
+  function transformers' registry picks (config._attn_implementation) are as transformers does them,
+  in the versions of TESTED_VERSIONS; with another version the attention is left alone, and the
+  report says so. The other families keep transformers' attention (their q / k norms, fused qkv
+  projections and post-norms are not copied here).
 - the norm: x * rsqrt(mean(x^2) + eps) times w (Llama) or times 1 + w in float32 (Gemma's):
   kf.rms_norm either way (offset=1 for Gemma).
 - the MLP: gate_proj / up_proj / down_proj (kf.gated_mlp, the activation from the module: silu,
@@ -58,6 +59,7 @@ class Family:
     attention: bool = True  # Llama's attention forward (kf.rope inside); False: transformers' own
     window: Optional[str] = None  # the sliding window the attention passes on: "config", "module" or none
     qk_norm: bool = False  # q_norm / k_norm over the head dim before the rotation
+    attention_softcap: bool = False  # the attention function gets softcap=module.attn_logit_softcapping (Gemma 2)
     norm_offset: bool = False  # the norm's scale is 1 + w, applied in float32 (Gemma)
     packed_mlp: bool = False  # gate_up_proj holds [gate | up] (Phi-3)
     gelu_mlp: bool = False  # c_proj(act(c_fc(x))) with torch.nn.LayerNorm norms (GPT-2)
@@ -72,8 +74,8 @@ class Family:
 FAMILIES = {"llama": Family("Llama"), "mistral": Family("Mistral", window="config"),
             "qwen2": Family("Qwen2", window="module"), "qwen3": Family("Qwen3", window="module", qk_norm=True),
             "gemma": Family("Gemma", norm_offset=True),
-            "gemma2": Family("Gemma2", attention=False, norm_offset=True),
-            "gemma3_text": Family("Gemma3", attention=False, norm_offset=True),
+            "gemma2": Family("Gemma2", window="module", attention_softcap=True, norm_offset=True),
+            "gemma3_text": Family("Gemma3", window="module", qk_norm=True, norm_offset=True),
             "granite": Family("Granite"), "olmo2": Family("Olmo2", attention=False),
             "phi3": Family("Phi3", attention=False, packed_mlp=True),
             # mixtures of experts: their experts (3-D weights) stay transformers' (the report says so)
@@ -140,6 +142,8 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         kwargs["sliding_window"] = getattr(self.config, "sliding_window", None)
     elif family.window == "module":
         kwargs["sliding_window"] = self.sliding_window
+    if family.attention_softcap:
+        kwargs["softcap"] = self.attn_logit_softcapping
     attention = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
                                                                 modeling.eager_attention_forward)
     output, weights = attention(self, query, key, value, attention_mask,
