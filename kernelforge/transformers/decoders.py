@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from kernelforge._replacements import Replacement, Replacements, Skipped
+from kernelforge._replacements import Replacement, Replacements
 from kernelforge.ops.activations import gelu
 from kernelforge.ops.gated_activations import swiglu
 from kernelforge.ops.gated_mlp import gated_mlp
@@ -212,30 +212,30 @@ def _loss_skip_reason(model, family: Family) -> str | None:
     return None
 
 
-def _use_kernelforge_attention(model, replaced: list, skipped: list) -> None:
+def _use_kernelforge_attention(model, patcher: Patcher) -> None:
     """A model on "sdpa" moves to "kernelforge": the same SDPA kernels, the causal mask implicit
     under torch.compile too (kernelforge.transformers.attention)."""
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
         return
     untested = untested_version()
     if untested:
-        skipped.append(Skipped("", type(model).__qualname__, f'attn_implementation stays "sdpa": the '
-                                                             f'"{attention.NAME}" mask follows transformers\' masks as '
-                                                             f"tested; {untested}"))
+        patcher.skip("", model, f'attn_implementation stays "sdpa": the "{attention.NAME}" mask follows '
+                                f"transformers' masks as tested; {untested}")
         return
     attention.register()
     model.set_attn_implementation(attention.NAME)
-    replaced.append(Replacement("", type(model).__qualname__, type(model).__qualname__,
+    patcher.replaced.append(Replacement("", type(model).__qualname__, type(model).__qualname__,
                                 f'attn_implementation "sdpa" -> "{attention.NAME}" (SDPA; the causal mask stays '
                                 "implicit under torch.compile)"))
 
 
-def _patch_mlp(name: str, module, family: Family, take, skipped: list) -> None:
+def _patch_mlp(name: str, module, family: Family, patcher: Patcher) -> None:
+    take = patcher.take
     act = getattr(module, "act_fn", getattr(module, "activation_fn", getattr(module, "act", None)))
     if family.gelu_mlp:
         approximate = GELU_APPROXIMATIONS.get(type(act).__name__)
         if approximate is None:
-            skipped.append(Skipped(name, type(module).__qualname__, f"activation {type(act).__name__}, not a GELU"))
+            patcher.skip(name, module, f"activation {type(act).__name__}, not a GELU")
         else:
             take(name, module, functools.partial(_conv1d_mlp_forward, approximate=approximate),
                  f"forward -> c_proj(kf.gelu(c_fc(x), approximate={approximate!r}))")
@@ -245,31 +245,29 @@ def _patch_mlp(name: str, module, family: Family, take, skipped: list) -> None:
         if gated == "silu":
             take(name, module, _packed_mlp_forward, "forward -> down_proj(kf.swiglu(gate_up_proj(x)))")
         else:
-            skipped.append(Skipped(name, type(module).__qualname__, f"activation {type(act).__name__}, not silu"))
+            patcher.skip(name, module, f"activation {type(act).__name__}, not silu")
     elif gated is None:
-        skipped.append(Skipped(name, type(module).__qualname__,
-                               f"activation {type(act).__name__}, not one of {sorted(GATED_KINDS)}"))
+        patcher.skip(name, module, f"activation {type(act).__name__}, not one of {sorted(GATED_KINDS)}")
     elif plain_linears(module, MLP_PROJECTIONS):
         take(name, module, functools.partial(_fused_mlp_forward, kind=gated),
              f"forward -> kf.gated_mlp ({gated}; the backward recomputes act(gate) * up instead of keeping it)")
     elif gated == "silu":
         take(name, module, _mlp_forward, "forward -> down_proj(kf.swiglu(gate_proj(x), up_proj(x)))")
     else:
-        skipped.append(Skipped(name, type(module).__qualname__, "a projection has a bias or hooks"))
+        patcher.skip(name, module, "a projection has a bias or hooks")
 
 
 def patch(model: torch.nn.Module, model_type: str) -> Replacements:
     family = FAMILIES[model_type]
     patcher = Patcher()
-    take, replaced, skipped = patcher.take, patcher.replaced, patcher.skipped
+    take = patcher.take
 
     untested = untested_version()
     for name, module in model.named_modules():
         kind = type(module).__name__
         if kind == f"{family.prefix}Attention" and family.attention and not module.__dict__.get(MARK):
             if untested:
-                skipped.append(Skipped(name, kind, f"its forward (for kf.rope) follows transformers' as tested; "
-                                                   f"{untested}"))
+                patcher.skip(name, module, f"its forward (for kf.rope) follows transformers' as tested; {untested}")
             else:
                 take(name, module, functools.partial(_attention_forward, family=family),
                      "forward with kf.rope for q and k")
@@ -279,20 +277,20 @@ def patch(model: torch.nn.Module, model_type: str) -> Replacements:
             else:
                 take(name, module, _rms_norm_forward, "forward -> kf.rms_norm")
         elif kind == f"{family.prefix}MLP" and not module.__dict__.get(MARK):
-            _patch_mlp(name, module, family, take, skipped)
+            _patch_mlp(name, module, family, patcher)
         elif family.gelu_mlp and type(module) is torch.nn.LayerNorm:
             take(name, module, layer_norm_forward, "forward -> kf.layer_norm")
         elif kind == f"{family.prefix}Experts" and not model.__dict__.get(MARK):
-            skipped.append(Skipped(name, kind, "a mixture of experts' MLPs (3-D weights): transformers' own"))
+            patcher.skip(name, module, "a mixture of experts' MLPs (3-D weights): transformers' own")
     if not model.__dict__.get(MARK):
-        _use_kernelforge_attention(model, replaced, skipped)
+        _use_kernelforge_attention(model, patcher)
         reason = _loss_skip_reason(model, family)
         if reason is None:
             take("lm_head", model.lm_head, _head_forward,
                  "passes the hidden states to the fused loss when labels are given")
             take("", model, _causal_lm_forward, "loss with labels -> kf.fused_linear_cross_entropy (logits None)")
         else:
-            skipped.append(Skipped("", type(model).__qualname__, reason))
+            patcher.skip("", model, reason)
         model.__dict__.setdefault(MARK, "patched")
     return patcher.report()
 
