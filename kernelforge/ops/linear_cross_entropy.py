@@ -2,29 +2,45 @@
 (tokens x vocabulary) logits ever existing whole. Schemas, checks, fakes, autograd, defined once
 (kernelforge.ops._opdef).
 
-Registered ops (each with a fake; the first with autograd):
+Registered ops (each with a fake; the first two with autograd):
     kernelforge::linear_cross_entropy(Tensor x, Tensor weight, Tensor target, Tensor? bias,
         SymInt ignore_index, float label_smoothing, float softcap, float z_loss, int chunk_rows)
         -> (Tensor loss, Tensor lse)          per row, float32 (float64 for float64 x)
     kernelforge::linear_cross_entropy_backward(Tensor grad_loss, Tensor x, Tensor weight,
         Tensor target, Tensor? bias, Tensor lse, SymInt ignore_index, float label_smoothing,
         float softcap, float z_loss, int chunk_rows) -> (Tensor grad_x, Tensor grad_weight, Tensor grad_bias)
+    kernelforge::linear_cross_entropy_reduced(Tensor x, Tensor weight, Tensor target, Tensor? bias,
+        SymInt ignore_index, float label_smoothing, float softcap, float z_loss, int chunk_rows,
+        bool mean, bool grad_x, bool grad_weight, bool grad_bias)
+        -> (Tensor loss, Tensor grad_x, Tensor grad_weight, Tensor grad_bias)
+        the summed (or mean) loss, a 0-dim tensor, and its gradients computed in the same pass
+        (empty where not asked for); the backward scales them by the loss's gradient.
 
-The forward walks the rows in chunks of chunk_rows: a chunk's logits z = x_c W^T + b (kf.gemm)
-go through the cross-entropy forward kernel, which caps them (c tanh(z / c), Gemma 2's
-softcapping) and adds the z-loss as it reads them: loss and lse a row. Memory: one chunk's logits.
+Two ways to the gradients, picked by the public function:
 
-The backward computes the logits again rather than keeping them (or their gradient, as a forward
-that computes the gradients does: V x H of float32 accumulator alive from the forward to the
-backward), one slice of the vocabulary at a time, over every row (blocks of rows only where the
-rows alone would exceed the memory): z_s = x W_s^T + b_s; the cross-entropy backward kernel
-writes the logits' gradient over z_s in place (with the cap's derivative and the z-loss term);
-then grad_W_s = dz_s^T x, a GEMM over all rows that accumulates in float32 and is rounded once,
-and grad_x += dz_s W_s into a float32 accumulator (rows x H). So the backward holds chunk_rows x
-vocab logits too, plus the float32 grad_x.
-Bytes and FLOPs: 2 R V H a GEMM, four of them (the forward's, the recomputation, grad_W, grad_x:
-one more than the head's three, for memory); W read once a forward chunk and three times a
-backward slice; the logits written and read twice each in R V elements.
+- A reduced loss ("mean", "sum") with a gradient to come (grad mode on, an input requiring it):
+  the gradients are computed in the forward, three GEMMs of 2 R V H (the head's own count). A
+  row chunk's logits z = x_c W^T + b (kf.gemm) go through the cross-entropy forward kernel (loss
+  and lse a row: it caps them, c tanh(z / c), Gemma 2's softcapping, and adds the z-loss as it
+  reads them), then the backward kernel turns them into their gradient in place (the loss's
+  gradient a row is 1, or 1 / the count of targets for the mean); grad_x of the chunk is then
+  dz W (complete: rounded once), grad_W += dz^T x_c (kf.gemm's residual: float32 inside, rounded
+  to W's dtype once a chunk, so grad_W's error grows with the number of chunks, as a GEMM over
+  all rows split into that many parts would), grad_b += the column sums of dz. The backward
+  multiplies them by the loss's gradient in place. Memory: one chunk's logits, and grad_x and
+  grad_W held from the forward to the backward (the backward would allocate them anyway; a
+  second grad_W while one chunk's sum replaces the last). Bytes: W read three times a chunk,
+  grad_W read and written once a chunk, the logits written once, read twice and written again.
+  This is the path a language model's training step takes.
+- Otherwise (reduction "none", whose rows' gradients are only known in the backward; or no
+  gradient asked for) the forward computes the loss and lse a row, chunk by chunk as above, and
+  the backward computes the logits again rather than keeping them, one slice of the vocabulary at
+  a time, over every row (blocks of rows only where the rows alone would exceed the memory):
+  z_s = x W_s^T + b_s; the cross-entropy backward kernel writes the logits' gradient over z_s in
+  place; then grad_W_s = dz_s^T x, a GEMM over all rows that accumulates in float32 and is
+  rounded once, and grad_x += dz_s W_s into a float32 accumulator (rows x H). Four GEMMs of
+  2 R V H (the forward's, the recomputation, grad_W, grad_x); W read once a forward chunk and
+  three times a backward slice.
 
 The backends are those of kf.gemm and of the cross-entropy kernels (kernelforge.ops.cross_entropy's
 choice; use_backend forces both); on a CPU their references.
@@ -37,7 +53,7 @@ import torch
 
 from kernelforge import backends
 from kernelforge.ops._common import FLOAT_DTYPES, check_floating, check_same, require
-from kernelforge.ops._opdef import define_op
+from kernelforge.ops._opdef import define_op, is_traced
 from kernelforge.ops.cross_entropy import OP as CROSS_ENTROPY_OP
 from kernelforge.ops.cross_entropy import REDUCTIONS, TARGET_DTYPES
 from kernelforge.ops.gemm import OP as GEMM_OP
@@ -117,6 +133,12 @@ def _choose(x, weight, *rest) -> backends.Choice:
     return backends.select(GEMM_OP, x, weight, compute=resolve_compute(x, weight, "auto"))  # no view: traced tensors
 
 
+def _chunk_loss(x_c, weight, target_c, bias, ignore_index, label_smoothing, softcap, z_loss):
+    """A row chunk's logits (x_c W^T + b: W read transposed in place) and their loss and lse a row."""
+    z = gemm(x_c, weight.t(), bias=bias)
+    return (z, *_kernels(z).cross_entropy_forward_rows(z, target_c, ignore_index, label_smoothing, softcap, z_loss))
+
+
 def _forward(x, weight, target, bias, ignore_index: int, label_smoothing: float, softcap: float, z_loss: float,
              chunk_rows: int):
     _check(NAME, x, weight, target, bias, label_smoothing, softcap, z_loss, chunk_rows)
@@ -126,10 +148,50 @@ def _forward(x, weight, target, bias, ignore_index: int, label_smoothing: float,
     target = target.contiguous()
     for start in range(0, x.shape[0], chunk_rows):
         rows = slice(start, min(start + chunk_rows, x.shape[0]))
-        z = gemm(x[rows], weight.t(), bias=bias)  # W read transposed in place
-        loss[rows], lse[rows] = _kernels(z).cross_entropy_forward_rows(z, target[rows], ignore_index, label_smoothing,
-                                                                       softcap, z_loss)
+        _, loss[rows], lse[rows] = _chunk_loss(x[rows], weight, target[rows], bias, ignore_index, label_smoothing,
+                                               softcap, z_loss)
     return loss, lse
+
+
+def _forward_with_gradients(x, weight, target, bias, ignore_index: int, label_smoothing: float, softcap: float,
+                            z_loss: float, chunk_rows: int, mean: bool, need_x: bool, need_weight: bool,
+                            need_bias: bool):
+    """The reduced loss and its gradients (of a loss gradient of 1), in one walk over row chunks."""
+    _check(NAME, x, weight, target, bias, label_smoothing, softcap, z_loss, chunk_rows)
+    acc = accumulation_dtype(x.dtype)
+    n_rows, vocab = x.shape[0], weight.shape[0]
+    target = target.contiguous()
+    # each row's gradient: 1 for the sum, 1 / count for the mean (inf for none counted: then every
+    # row is ignored and its gradient 0, as the unfused mean's); a stride-0 view
+    count = (target != ignore_index).sum()
+    scale = 1.0 / count.to(acc) if mean else torch.ones((), dtype=acc, device=x.device)
+    grad_rows = scale.expand(n_rows)
+    losses = torch.empty(n_rows, dtype=acc, device=x.device)
+    grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_x else x.new_empty(0)
+    grad_weight = None
+    grad_bias = torch.zeros(vocab if need_bias else 0, dtype=acc, device=x.device)
+    for start in range(0, n_rows, chunk_rows):
+        rows = slice(start, min(start + chunk_rows, n_rows))
+        x_c, target_c = x[rows], target[rows]
+        z, losses[rows], lse = _chunk_loss(x_c, weight, target_c, bias, ignore_index, label_smoothing, softcap,
+                                           z_loss)
+        dz = _kernels(z).cross_entropy_slice_backward_(grad_rows[rows], z, target_c, lse, 0, vocab, ignore_index,
+                                                       label_smoothing, softcap, z_loss)
+        if need_x:
+            grad_x[rows] = gemm(dz, weight)
+        if need_weight:
+            grad_weight = gemm(dz.t(), x_c, residual=grad_weight)
+        if need_bias:
+            grad_bias += dz.sum(0, dtype=acc)
+    loss = losses.sum()
+    if mean:
+        loss = loss / count
+    if grad_weight is None:
+        grad_weight = weight.new_empty(0 if not need_weight else weight.shape)
+        if need_weight:  # no rows
+            grad_weight.zero_()
+    grad_bias = grad_bias.to(bias.dtype) if need_bias else x.new_empty(0)
+    return loss, grad_x, grad_weight, grad_bias
 
 
 def _backward(grad_loss, x, weight, target, bias, lse, ignore_index: int, label_smoothing: float, softcap: float,
@@ -178,6 +240,15 @@ def _fake_backward(grad_loss, x, weight, target, bias, lse, ignore_index, label_
             weight.new_empty(weight.shape[0], dtype=weight.dtype if bias is None else bias.dtype))
 
 
+def _fake_forward_with_gradients(x, weight, target, bias, ignore_index, label_smoothing, softcap, z_loss, chunk_rows,
+                                 mean, need_x, need_weight, need_bias):
+    _check(NAME, x, weight, target, bias, label_smoothing, softcap, z_loss, chunk_rows)
+    loss = x.new_empty((), dtype=accumulation_dtype(x.dtype))
+    return (loss, torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else x.new_empty(0),
+            torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight else weight.new_empty(0),
+            bias.new_empty(bias.shape) if need_bias else x.new_empty(0))
+
+
 def _save(ctx, inputs, output):
     x, weight, target, bias, *options = inputs
     ctx.save_for_backward(x, weight, target, bias, output[1])
@@ -192,6 +263,33 @@ def _gradient(ctx, grad_loss, _grad_lse):
     return grad_x, grad_weight, None, None if bias is None else grad_bias, None, None, None, None, None
 
 
+def _save_gradients(ctx, inputs, output):
+    ctx.save_for_backward(*output[1:])
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.needs = inputs[10:13]  # grad_x, grad_weight, grad_bias asked for
+    ctx.used = False
+
+
+def _scaled_gradients(ctx, grad_loss, *_unused):
+    """The forward's gradients times the loss's gradient: in place in plain eager mode (they are
+    nobody else's; a second backward through the same loss is refused), out of place under tracing."""
+    traced = is_traced(grad_loss)
+    if not traced:
+        if torch.is_grad_enabled():
+            raise RuntimeError(f"kernelforge.{NAME}: create_graph=True through a 'mean' or 'sum' loss is not "
+                               "supported (its gradients are computed in the forward, without a graph); use "
+                               "reduction='none' and reduce the rows yourself")
+        if ctx.used:
+            raise RuntimeError(f"kernelforge.{NAME}: a second backward through the same 'mean' or 'sum' loss "
+                               "(retain_graph=True) is not supported: its gradients are computed in the forward and "
+                               "scaled in place by the first; use reduction='none' and reduce the rows yourself")
+        ctx.used = True
+
+    grads = [None if not need else t * grad_loss if traced else t.mul_(grad_loss)
+             for t, need in zip(ctx.saved_tensors, ctx.needs)]
+    return grads[0], grads[1], None, grads[2], None, None, None, None, None, None, None, None, None
+
+
 linear_cross_entropy_backward_op = define_op(
     "kernelforge::linear_cross_entropy_backward(Tensor grad_loss, Tensor x, Tensor weight, Tensor target, "
     "Tensor? bias, Tensor lse, SymInt ignore_index, float label_smoothing, float softcap, float z_loss, "
@@ -202,6 +300,13 @@ linear_cross_entropy_op = define_op(
     "kernelforge::linear_cross_entropy(Tensor x, Tensor weight, Tensor target, Tensor? bias, SymInt ignore_index, "
     "float label_smoothing, float softcap, float z_loss, int chunk_rows) -> (Tensor, Tensor)",
     impl=_forward, fake=_fake_forward, choose=_choose, setup_context=_save, backward=_gradient)
+
+linear_cross_entropy_reduced_op = define_op(
+    "kernelforge::linear_cross_entropy_reduced(Tensor x, Tensor weight, Tensor target, Tensor? bias, "
+    "SymInt ignore_index, float label_smoothing, float softcap, float z_loss, int chunk_rows, bool mean, "
+    "bool grad_x, bool grad_weight, bool grad_bias) -> (Tensor, Tensor, Tensor, Tensor)",
+    impl=_forward_with_gradients, fake=_fake_forward_with_gradients, choose=_choose,
+    setup_context=_save_gradients, backward=_scaled_gradients)
 
 
 def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
@@ -233,8 +338,11 @@ def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: to
     x2d, target1d = x.reshape(-1, x.shape[-1]), target.reshape(-1)
     if chunk_rows is None:
         chunk_rows = default_chunk_rows(x2d.shape[0], weight.shape[0] if weight.dim() == 2 else 1, x2d.shape[1])
-    loss = linear_cross_entropy_op(x2d, weight, target1d, bias, ignore_index, float(label_smoothing),
-                                   float(softcap or 0.0), float(z_loss), int(chunk_rows))[0]
+    options = (ignore_index, float(label_smoothing), float(softcap or 0.0), float(z_loss), int(chunk_rows))
+    needs = [torch.is_grad_enabled() and t is not None and t.requires_grad for t in (x, weight, bias)]
+    if reduction != "none" and any(needs):  # the gradients in the forward (the module docstring)
+        return linear_cross_entropy_reduced_op(x2d, weight, target1d, bias, *options, reduction == "mean", *needs)[0]
+    loss = linear_cross_entropy_op(x2d, weight, target1d, bias, *options)[0]
     if reduction == "none":
         return loss.view(target.shape)
     if reduction == "sum":

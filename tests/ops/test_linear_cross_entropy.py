@@ -2,7 +2,10 @@
 as the oracle, PyTorch's float32-loss recipe at the inputs' dtype as the yardstick): every
 option (reductions, ignore_index, label smoothing, softcapping, z-loss, bias), chunks that do
 and do not divide the rows, gradients of x, weight and bias, accumulation over micro-batches,
-NaN for a bad target, the registered ops (opcheck), torch.compile, bad input."""
+NaN for a bad target, the registered ops (opcheck), torch.compile, bad input. A "mean" or "sum"
+loss with a gradient to come computes its gradients in the forward (kernelforge::
+linear_cross_entropy_reduced); "none", or no gradient, takes the recomputing backward: both run
+through every check."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -131,6 +134,40 @@ def test_bad_target_gives_nan_and_all_ignored_mean_is_nan(backend, device):
         assert kf.fused_linear_cross_entropy(x, weight, ignored, reduction="sum") == 0
 
 
+@pytest.mark.parametrize("backend,device", backend_cases(("reference", "triton")))
+def test_gradients_computed_in_the_forward(backend, device):
+    # The reduced loss's path: the same loss as without a gradient; only the gradients asked for
+    # (a frozen head: x's alone; frozen activations: the weight's and bias's); a bias's gradient
+    # summed over chunks; a second backward or a double backward refused with the way out named
+    x = torch.randn(9, 16, device=device)
+    weight, bias = torch.randn(23, 16, device=device) / 4, torch.randn(23, device=device)
+    target = torch.randint(0, 23, (9,), device=device)
+    target[2] = -100
+    with kf.use_backend(backend):
+        with torch.no_grad():
+            plain = kf.fused_linear_cross_entropy(x, weight, target, bias, chunk_rows=4)
+        for needs in [(True, False, False), (False, True, True), (True, True, False)]:
+            mine = [t.clone().requires_grad_(need) for t, need in zip((x, weight, bias), needs)]
+            exact = [t.double().requires_grad_(need) for t, need in zip((x, weight, bias), needs)]
+            loss = kf.fused_linear_cross_entropy(*mine[:2], target, mine[2], chunk_rows=4)
+            assert lce.linear_cross_entropy_reduced_op.is_eager_node(loss.grad_fn)
+            torch.testing.assert_close(loss, plain, rtol=1e-6, atol=1e-6)
+            (loss * 3).backward()
+            (torch_loss(*exact[:2], target, exact[2]) * 3).backward()
+            for name, got, want in zip("x weight bias".split(), mine, exact):
+                assert (got.grad is None) == (want.grad is None), f"{needs} {name}"
+                if got.grad is not None:
+                    torch.testing.assert_close(got.grad, want.grad.float(), rtol=1e-4, atol=1e-5)
+        w = weight.clone().requires_grad_()
+        loss = kf.fused_linear_cross_entropy(x, w, target, reduction="sum", chunk_rows=4)
+        loss.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="second backward .* reduction='none'"):
+            loss.backward()
+        loss = kf.fused_linear_cross_entropy(x, w, target, chunk_rows=4)
+        with pytest.raises(RuntimeError, match="create_graph=True .* reduction='none'"):
+            torch.autograd.grad(loss, w, create_graph=True)
+
+
 def test_default_chunk_rows_and_backward_blocks():
     # logits of about x's own size (2^26 at least), a power of two, at least 1, at most the rows
     assert default_chunk_rows(8192, 128256, 2048) == 512
@@ -162,6 +199,10 @@ def test_opcheck(backend, device):
             loss, lse = torch.ops.kernelforge.linear_cross_entropy(*args)
             torch.library.opcheck(torch.ops.kernelforge.linear_cross_entropy_backward.default,
                                   (torch.randn_like(loss), *args[:4], lse, *args[4:]))
+        xg, wg, bg = (t.clone().requires_grad_() for t in (x, weight, bias))
+        for args in [(xg, wg, target, bg, -100, 0.1, 0.0, 0.0, 2, True, True, True, True),
+                     (xg, wg, target, None, -100, 0.0, 4.0, 1e-3, 8, False, True, False, False)]:
+            torch.library.opcheck(torch.ops.kernelforge.linear_cross_entropy_reduced.default, args)
 
 
 @pytest.mark.gpu

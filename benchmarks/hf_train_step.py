@@ -1,22 +1,29 @@
-"""A transformers Llama's training step with kernelforge, Liger-Kernel or neither, with and without
+"""A transformers model's training step with kernelforge, Liger-Kernel or neither, with and without
 torch.compile: wall clock per step (forward, loss, backward, AdamW), peak memory, first loss.
 
-    PYTHONPATH=. python benchmarks/hf_llama_step.py [--size 1b] [--variants eager,compile,kf,liger]
+    PYTHONPATH=. python benchmarks/hf_train_step.py [--model llama] [--size 1b] [--variants eager,kf,liger]
 
---size 1b: Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 heads over 8 kv heads, SwiGLU 8192,
-a 128256 vocabulary, tied embeddings), random init, batch 4 x 2048 tokens, bf16; --size tiny:
-a few-layer model on the CPU. --profile-dir DIR: a table of device time per kernel over two more
-steps of each variant into DIR. Variants (each in a process of its own: Liger's patch changes
-transformers' classes for the whole process, kf.patch changes nothing global):
+--model: the architecture, at a real checkpoint's shape with --size 1b (random init, batch 4 x 2048
+tokens, bf16, tied embeddings):
+    llama    Llama-3.2-1B: hidden 2048, 16 layers, 32 heads over 8 kv heads, SwiGLU 8192, 128256 classes
+    qwen3    Qwen3-1.7B: hidden 2048, 28 layers, 16 heads over 8 kv heads (q / k norms), SwiGLU 6144,
+             151936 classes
+    gemma3   Gemma-3-1B: hidden 1152, 26 layers, 4 heads of 256 over 1 kv head (q / k norms, a 512-token
+             sliding window in five layers of six), GeGLU (tanh) 6912, 262144 classes, (1 + w) norms
+--size tiny: a few-layer model of the same family on the CPU. --profile-dir DIR: a table of device
+time per kernel over two more steps of each variant into DIR. Variants (each in a process of its
+own: Liger's patch changes transformers' classes for the whole process, kf.patch changes nothing
+global):
     eager            the model as transformers builds it
     kf               kf.patch(model)
-    liger            liger_kernel.transformers.apply_liger_kernel_to_llama(model=model)
+    liger            Liger-Kernel's apply_liger_kernel_to_<family>(model=model)
     <any>+compile    then torch.compile(model)
 Each variant's first loss is printed: the same initialization and batch give the same loss.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import subprocess
 import sys
@@ -24,33 +31,48 @@ import time
 
 import torch
 
-SIZES = {
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256, batch=4, seq=2048),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=1000, batch=2, seq=32),
+# (transformers config class, model class, Liger's patch, the config at --size 1b, tiny's changes)
+MODELS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", "apply_liger_kernel_to_llama",
+              dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                   num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
+              dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=1000)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "apply_liger_kernel_to_qwen3",
+              dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                   num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1000000.0),
+              dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, vocab_size=1000)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", "apply_liger_kernel_to_gemma3_text",
+               dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+                    num_key_value_heads=1, head_dim=256, vocab_size=262144, sliding_window=512,
+                    rope_theta=1000000.0),
+               dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=1, head_dim=16, vocab_size=1000, sliding_window=16)),
 }
+SIZES = {"1b": dict(batch=4, seq=2048), "tiny": dict(batch=2, seq=32)}
 VARIANTS = ("eager", "compile", "kf", "kf+compile", "liger", "liger+compile")
 
 
-def build(size: str, device: torch.device, dtype: torch.dtype):
-    """The model (seed 0) and one batch of (input_ids, labels)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build(model_name: str, size: str, device: torch.device, dtype: torch.dtype):
+    """The model (seed 0) and one batch of input_ids (the labels too)."""
+    import transformers
 
-    shape = dict(SIZES[size])
-    batch, seq = shape.pop("batch"), shape.pop("seq")
-    config = LlamaConfig(**shape, max_position_embeddings=max(seq, 128), rope_theta=500000.0,
-                         tie_word_embeddings=True, attn_implementation="sdpa")
+    config_class, model_class, _, shape, tiny = MODELS[model_name]
+    shape = dict(shape, **(tiny if size == "tiny" else {}))
+    batch, seq = SIZES[size]["batch"], SIZES[size]["seq"]
+    config = getattr(transformers, config_class)(**shape, max_position_embeddings=max(seq, 128),
+                                                 tie_word_embeddings=True, attn_implementation="sdpa")
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(device=device, dtype=dtype)
+    model = getattr(transformers, model_class)(config).to(device=device, dtype=dtype)
     ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
     return model, ids
 
 
-def run_variant(variant: str, size: str, steps: int, device: torch.device, dtype: torch.dtype,
+def run_variant(variant: str, model_name: str, size: str, steps: int, device: torch.device, dtype: torch.dtype,
                 profile_dir: str | None = None) -> dict:
     """One variant's step time (median of `steps` after two warm-up steps), peak memory, first loss."""
-    model, ids = build(size, device, dtype)
+    model, ids = build(model_name, size, device, dtype)
     base, _, compiled = variant.partition("+")
     if base == "compile":  # torch.compile alone
         base, compiled = "eager", "compile"
@@ -61,9 +83,8 @@ def run_variant(variant: str, size: str, steps: int, device: torch.device, dtype
         replaced = kf.patch(model)
         note = f"{len(replaced)} modules replaced, {len(replaced.skipped)} skipped"
     elif base == "liger":
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-
-        apply_liger_kernel_to_llama(model=model)
+        liger = importlib.import_module("liger_kernel.transformers")
+        getattr(liger, MODELS[model_name][2])(model=model)
     elif base != "eager":
         raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
     forward = torch.compile(model) if compiled else model
@@ -91,7 +112,7 @@ def run_variant(variant: str, size: str, steps: int, device: torch.device, dtype
     times.sort()
     peak = torch.cuda.max_memory_allocated() / 2 ** 20 if device.type == "cuda" else float("nan")
     if profile_dir:
-        _profile(step, variant, profile_dir)
+        _profile(step, f"{model_name}-{variant}", profile_dir)
     return dict(variant=variant, step_ms=times[len(times) // 2] * 1e3, peak_mib=peak, first_loss=first, note=note)
 
 
@@ -114,6 +135,7 @@ def _profile(step, variant: str, directory: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=tuple(MODELS), default="llama")
     parser.add_argument("--size", choices=tuple(SIZES), default="1b")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--steps", type=int, default=10)
@@ -125,12 +147,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), torch.bfloat16 if args.dtype == "bf16" else torch.float32
     if args.child:
-        print(json.dumps(run_variant(args.child, args.size, args.steps, device, dtype, args.profile_dir)))
+        print(json.dumps(run_variant(args.child, args.model, args.size, args.steps, device, dtype, args.profile_dir)))
         return 0
     results = []
     for variant in args.variants.split(","):
-        command = [sys.executable, __file__, "--child", variant, "--size", args.size, "--steps", str(args.steps),
-                   "--device", args.device, "--dtype", args.dtype]
+        command = [sys.executable, __file__, "--child", variant, "--model", args.model, "--size", args.size,
+                   "--steps", str(args.steps), "--device", args.device, "--dtype", args.dtype]
         command += ["--profile-dir", args.profile_dir] if args.profile_dir else []
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
@@ -139,7 +161,7 @@ def main(argv=None) -> int:
         else:
             results.append(json.loads(done.stdout.strip().splitlines()[-1]))
     eager = next((r["step_ms"] for r in results if r.get("variant") == "eager" and "step_ms" in r), None)
-    print(f"transformers Llama, size {args.size}, {args.dtype}, {device}: train step (forward, loss, backward, AdamW)")
+    print(f"transformers {args.model}, size {args.size}, {args.dtype}, {device}: train step (forward, loss, backward, AdamW)")
     print(f"{'variant':16} {'step ms':>9} {'vs eager':>9} {'peak MiB':>9} {'first loss':>11}  note")
     for r in results:
         if "error" in r:
