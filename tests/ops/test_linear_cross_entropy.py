@@ -176,6 +176,12 @@ def test_default_chunk_rows_and_backward_blocks():
     assert default_chunk_rows(3, 128256, 16) == 3
     assert default_chunk_rows(100, 10 ** 9, 16) == 1
     assert default_chunk_rows(0, 10, 10) == 1
+    # with the gradients computed in the forward, the weight's size at least (2048 rows at Llama-3's
+    # head; 1024 at Gemma 3's 262144 x 1152)
+    assert default_chunk_rows(8192, 128256, 2048, gradients_in_forward=True) == 2048
+    assert default_chunk_rows(8192, 262144, 1152, gradients_in_forward=True) == 1024
+    assert default_chunk_rows(65536, 128256, 4096, gradients_in_forward=True) == 4096
+    assert default_chunk_rows(3, 128256, 16, gradients_in_forward=True) == 3
     # the backward: chunk_rows x vocab logits at most, all rows in one block while slices of
     # 4096 classes fit, slices a multiple of 128
     assert backward_blocks(8192, 128256, 512) == (8192, 7936)
