@@ -103,21 +103,23 @@ class Op:
 
     def __init__(self, schema: str, impl: Callable, fake: Callable, *, choose: Optional[Callable] = None,
                  setup_context: Optional[Callable] = None, backward: Optional[Callable] = None,
-                 state: Optional[Callable[[], object]] = None):
+                 state: Optional[Callable[[], object]] = None, helper_outputs: tuple[int, ...] = ()):
         qualname, _, signature = schema.partition("(")
         namespace, _, self.name = qualname.partition("::")
         if namespace != "kernelforge" or not self.name:
             raise ValueError(f"define_op: schema must start with kernelforge::<name>(, got {schema!r}")
         self.schema = "(" + signature
         self.impl, self.fake, self.choose = impl, fake, choose
-        self.setup_context, self.backward = setup_context, backward
+        self.backward, self.helper_outputs = backward, tuple(helper_outputs)
+        self.setup_context = setup_context if setup_context is None or not helper_outputs else self._unmaterialized(
+            setup_context)
         self._plans: dict = {}  # signature -> Plan | NoPlan (kernelforge._eager_plans)
         if state is not None:
             _eager_plans.add_state(state)
         self.registered = torch.library.custom_op(f"kernelforge::{self.name}", lambda *a: _no_views(impl(*a)),
                                                   mutates_args=(), schema=self.schema)
         self.registered.register_fake(fake)
-        self.registered.register_autograd(self._gradient, setup_context=setup_context)
+        self.registered.register_autograd(self._gradient, setup_context=self.setup_context)
         from torch._subclasses.functional_tensor import FunctionalTensorMode
 
         self.registered.register_torch_dispatch(FunctionalTensorMode, self._functional)
@@ -196,7 +198,26 @@ class Op:
         if self.backward is None:
             raise RuntimeError(f"kernelforge::{self.name} has no gradient formula (its inputs' gradients, or a "
                                "double backward through it, are not computed)")
+        if self.helper_outputs:  # zeros for a result nobody differentiated, None for the helpers
+            grads = tuple(g if g is not None or meta is None else torch.zeros(meta[0], dtype=meta[1], device=meta[2])
+                          for g, meta in zip(grads, ctx.kernelforge_outputs))
         return self.backward(ctx, *grads)
+
+    def _unmaterialized(self, setup_context: Callable) -> Callable:
+        """setup_context that turns autograd's zero-filling of unused outputs' gradients off: the
+        helper outputs' gradients (saved for the backward, never differentiated: a gated MLP's
+        activations, a loss's lse) would be filled with zeros on every backward (two tensors of
+        tokens x intermediate a layer). Results keep zeros, made by _gradient where needed."""
+        helpers = self.helper_outputs
+
+        def setup(ctx, inputs, output):
+            ctx.set_materialize_grads(False)
+            outputs = output if isinstance(output, (tuple, list)) else (output,)
+            ctx.kernelforge_outputs = tuple(None if i in helpers else (t.shape, t.dtype, t.device)
+                                            for i, t in enumerate(outputs))
+            setup_context(ctx, inputs, output)
+
+        return setup
 
     def _eager_function(self) -> type:
         """The autograd.Function of the eager path: impl, then the registered op's own
@@ -257,7 +278,7 @@ def _traced_types() -> tuple:
 
 def define_op(schema: str, impl: Callable, fake: Callable, *, choose: Optional[Callable] = None,
               setup_context: Optional[Callable] = None, backward: Optional[Callable] = None,
-              state: Optional[Callable[[], object]] = None) -> Op:
+              state: Optional[Callable[[], object]] = None, helper_outputs: tuple[int, ...] = ()) -> Op:
     """Register kernelforge::<name> from one definition and return its lean call (module docstring).
 
     schema: "kernelforge::name(args) -> returns" (torch's schema language).
@@ -270,8 +291,12 @@ def define_op(schema: str, impl: Callable, fake: Callable, *, choose: Optional[C
     state(): global state impl reads besides the backend selection (a precision policy, a torch
         flag): part of every eager plan's signature, so a plan recorded under one value is not
         replayed under another.
+    helper_outputs: the indices of outputs that are the backward's helpers, not results (saved
+        for it, never differentiated): backward gets None for their gradients where autograd
+        would fill zeros (the results' missing gradients still come as zeros).
     """
-    return Op(schema, impl, fake, choose=choose, setup_context=setup_context, backward=backward, state=state)
+    return Op(schema, impl, fake, choose=choose, setup_context=setup_context, backward=backward, state=state,
+              helper_outputs=helper_outputs)
 
 
 __all__ = ["DEFINITIONS", "Op", "define_op", "is_traced", "no_view"]

@@ -169,7 +169,7 @@ cross_entropy_op = define_op(
     "-> (Tensor, Tensor)",
     impl=_forward, fake=_fake_forward,
     choose=lambda logits, target, ignore_index, label_smoothing: _choose(logits),
-    setup_context=_save_forward, backward=_gradient)
+    setup_context=_save_forward, backward=_gradient, helper_outputs=(1,))
 
 
 # ----------------------------------------------------------------------------- public function

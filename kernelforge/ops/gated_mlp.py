@@ -109,7 +109,7 @@ gated_mlp_backward_op = define_op(
 gated_mlp_op = define_op(
     "kernelforge::gated_mlp(Tensor x, Tensor gate_weight, Tensor up_weight, Tensor down_weight, str kind) "
     "-> (Tensor, Tensor, Tensor)",
-    impl=_forward, fake=_fake_forward, setup_context=_save, backward=_gradient)
+    impl=_forward, fake=_fake_forward, setup_context=_save, backward=_gradient, helper_outputs=(1, 2))
 
 
 def gated_mlp(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor, down_weight: torch.Tensor,

@@ -440,7 +440,8 @@ gemm_op = define_op(
     "kernelforge::gemm(Tensor a, Tensor b, Tensor? bias, Tensor? residual, str activation, str compute, "
     "ScalarType out_dtype, bool save_preact, Tensor? scale_a=None, Tensor? scale_b=None, str fp8_scaling=\"row\", "
     "bool fp8_fast_accum=False) -> (Tensor, Tensor)",
-    impl=_gemm, fake=_fake, choose=_choose_for, setup_context=_setup_context, backward=_gradient)
+    impl=_gemm, fake=_fake, choose=_choose_for, setup_context=_setup_context, backward=_gradient,
+    helper_outputs=(1,))
 
 
 # ----------------------------------------------------------------------------- public function

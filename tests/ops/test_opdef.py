@@ -89,6 +89,32 @@ def test_eager_outputs_are_not_views():
         y.add_(1)  # autograd allows in-place ops on it, as on torch's own outputs
 
 
+def _two_results_and_a_helper_backward(ctx, grad_a, grad_b, grad_helper):
+    seen.append((grad_a, grad_b, grad_helper))
+    return grad_a * 2 + grad_b * 3
+
+
+seen = []
+HELPER = define_op("kernelforge::opdef_probe_helper(Tensor x) -> (Tensor, Tensor, Tensor)",
+                   lambda x: (x * 2, x * 3, x * 4), lambda x: tuple(torch.empty_like(x) for _ in range(3)),
+                   setup_context=lambda ctx, inputs, output: None, backward=_two_results_and_a_helper_backward,
+                   helper_outputs=(2,))
+
+
+@pytest.mark.parametrize("registered", [False, True], ids=["eager", "registered"])
+def test_helper_outputs_get_no_zero_filled_gradient(registered):
+    # a helper output's gradient comes as None (autograd would fill a tensor of zeros: a gated MLP's
+    # activations, twice a layer); a result nobody differentiated still comes as zeros
+    x = torch.randn(5, requires_grad=True)
+    seen.clear()
+    a, b, helper = torch.ops.kernelforge.opdef_probe_helper(x) if registered else HELPER(x)
+    assert HELPER.is_eager_node(a.grad_fn) != registered
+    (grad,) = torch.autograd.grad(a.sum(), x)
+    torch.testing.assert_close(grad, torch.full_like(x, 2.0))
+    grad_a, grad_b, grad_helper = seen[0]
+    assert grad_helper is None and torch.equal(grad_b, torch.zeros(5)) and torch.equal(grad_a, torch.ones(5))
+
+
 def test_compile_traces_into_a_traceable_backend():
     # the reference is torch ops: the compiled graph holds them, not the kernelforge op
     targets = aot_graphs(lambda x: kf.softmax(x * 2, -1).sum(), [torch.randn(4, 8, requires_grad=True)])[2]
