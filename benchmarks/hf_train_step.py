@@ -64,7 +64,8 @@ def build(model_name: str, size: str, device: torch.device, dtype: torch.dtype):
     config = getattr(transformers, config_class)(**shape, max_position_embeddings=max(seq, 128),
                                                  tie_word_embeddings=True, attn_implementation="sdpa")
     torch.manual_seed(0)
-    model = getattr(transformers, model_class)(config).to(device=device, dtype=dtype)
+    with device:  # initialized where it runs: a 1B model's random init takes ~20 s on the host
+        model = getattr(transformers, model_class)(config).to(dtype=dtype)
     ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
     return model, ids
 
@@ -149,7 +150,10 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(run_variant(args.child, args.model, args.size, args.steps, device, dtype, args.profile_dir)))
         return 0
-    results = []
+    # each variant's row as soon as it is measured (a run cut off by a time limit keeps what it has)
+    print(f"transformers {args.model}, size {args.size}, {args.dtype}, {device}: train step (forward, loss, backward, AdamW)")
+    print(f"{'variant':16} {'step ms':>9} {'vs eager':>9} {'peak MiB':>9} {'first loss':>11}  note", flush=True)
+    results, eager = [], None
     for variant in args.variants.split(","):
         command = [sys.executable, __file__, "--child", variant, "--model", args.model, "--size", args.size,
                    "--steps", str(args.steps), "--device", args.device, "--dtype", args.dtype]
@@ -158,21 +162,17 @@ def main(argv=None) -> int:
         if done.returncode != 0:
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
             results.append(dict(variant=variant, error=tail[0]))
+            print(f"{variant:16} failed: {tail[0]}", flush=True)
         else:
-            results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    eager = next((r["step_ms"] for r in results if r.get("variant") == "eager" and "step_ms" in r), None)
-    print(f"transformers {args.model}, size {args.size}, {args.dtype}, {device}: train step (forward, loss, backward, AdamW)")
-    print(f"{'variant':16} {'step ms':>9} {'vs eager':>9} {'peak MiB':>9} {'first loss':>11}  note")
-    for r in results:
-        if "error" in r:
-            print(f"{r['variant']:16} failed: {r['error']}")
-            continue
-        ratio = f"{eager / r['step_ms']:.2f}x" if eager else "-"
-        print(f"{r['variant']:16} {r['step_ms']:9.2f} {ratio:>9} {r['peak_mib']:9.0f} {r['first_loss']:11.5f}  "
-              f"{r['note']}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+            r = json.loads(done.stdout.strip().splitlines()[-1])
+            results.append(r)
+            eager = r["step_ms"] if variant == "eager" else eager
+            ratio = f"{eager / r['step_ms']:.2f}x" if eager else "-"
+            print(f"{variant:16} {r['step_ms']:9.2f} {ratio:>9} {r['peak_mib']:9.0f} {r['first_loss']:11.5f}  "
+                  f"{r['note']}", flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
     return 0 if all("error" not in r for r in results) else 1
 
 
