@@ -10,6 +10,7 @@ import transformers  # a test requirement (requirements-test.txt)
 
 import kernelforge as kf
 from kernelforge import transformers as kf_transformers
+from kernelforge.transformers import decoders
 from tests.conftest import needs_cuda
 
 
@@ -88,7 +89,9 @@ def test_patched_model_computes_the_same(family, tie):
     if family != "mixtral":  # Mixtral has no dense MLP
         note = next(r.note for r in report if r.name == f"{layer}.0.mlp")
         assert MLP_NOTES.get(family, "kf.gated_mlp (silu") in note
-    assert [s.name for s in report.skipped] == MOE_LAYERS.get(family, [])
+    for experts in MOE_LAYERS.get(family, []):  # transformers' grouped GEMMs, kf.swiglu between them
+        assert "_apply_gate -> kf.swiglu (between the grouped_mm" in next(r.note for r in report if r.name == experts)
+    assert report.skipped == []
     ids = torch.randint(0, 300, (2, 16))
     labels = ids.clone()
     labels[0, :5] = -100
@@ -104,6 +107,35 @@ def test_patched_model_computes_the_same(family, tie):
     prompt = ids[:1, :6]
     assert torch.equal(model.generate(prompt, max_new_tokens=6, do_sample=False),
                        reference.generate(prompt, max_new_tokens=6, do_sample=False))
+
+
+@pytest.mark.parametrize("implementation", ["batched_mm", "eager"])
+def test_experts_under_each_experts_implementation(implementation, monkeypatch):
+    # batched_mm calls the experts' _apply_gate too; eager computes act(gate) * up itself: the
+    # experts are then left alone, and the report says how to take them
+    calls = []
+    swiglu = decoders.swiglu
+    monkeypatch.setattr(decoders, "swiglu", lambda *args: calls.append(args[0].shape) or swiglu(*args))
+    reference, model = tiny_llama(family="mixtral"), tiny_llama(family="mixtral")
+    for m in (reference, model):
+        m.set_experts_implementation(implementation)
+    report = patched(model)
+    experts = MOE_LAYERS["mixtral"]
+    if implementation == "eager":
+        assert [s.name for s in report.skipped] == experts
+        assert "set_experts_implementation('grouped_mm')" in report.skipped[0].reason
+        assert "_apply_gate" not in model.model.layers[0].mlp.experts.__dict__
+    else:
+        assert experts[0] in {r.name for r in report} and report.skipped == []
+    ids = torch.randint(0, 300, (2, 12))
+    want, got = reference(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)
+    # each layer's experts: one call over the 24 tokens' 2 choices each, [gate | up] packed
+    assert calls == ([] if implementation == "eager" else [torch.Size([48, 256])] * 2)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    want.loss.backward()
+    got.loss.backward()
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_a_projection_with_a_hook_keeps_the_unfused_mlp():
@@ -266,10 +298,17 @@ def test_family():
         kf_transformers.patch(torch.nn.Linear(2, 2))
 
 
-def test_compiles_without_graph_breaks():
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_compiles_without_graph_breaks(family):
     # the patch adds no graph break: the whole training loss traces as one graph, and gives
-    # the unpatched model's loss and gradients
-    reference, model = tiny_llama(), tiny_llama()
+    # the unpatched model's loss and gradients (Mixtral: its experts' batched GEMMs and kf.swiglu;
+    # without the router's logits, whose capture breaks the graph in transformers itself, and not
+    # on grouped_mm, whose CPU fallback's backward does not trace in transformers 5.17)
+    reference, model = tiny_llama(family=family), tiny_llama(family=family)
+    for m in (reference, model):
+        m.config.output_router_logits = False
+        if family == "mixtral":
+            m.set_experts_implementation("batched_mm")
     patched(model)
     ids = torch.randint(0, 300, (2, 16))
     torch._dynamo.reset()

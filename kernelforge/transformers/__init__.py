@@ -30,8 +30,8 @@ What a family's patch does (kernelforge/transformers/decoders.py has each family
 The Linear layers stay torch's (cuBLAS), the MLP's GEMMs too. The attention and the loss follow
 transformers' forwards (the attention's is a replacement with kf.rope in it; the loss's wraps
 transformers' own) as the versions in TESTED_VERSIONS have them; with another version they are not
-patched, and the report says so. Not patched: the experts of mixtures of experts (Mixtral,
-Qwen3-MoE: their attention, norms and loss are). BERT and ViT (kernelforge/transformers/encoders.py):
+patched, and the report says so. The experts of mixtures of experts (Mixtral, Qwen3-MoE) keep
+transformers' grouped GEMMs, with kf.swiglu between them. BERT and ViT (kernelforge/transformers/encoders.py):
 their LayerNorms, their MLP's GELU and BERT's residual + LayerNorm blocks (kf.add_layer_norm).
 """
 from __future__ import annotations

@@ -23,14 +23,14 @@ class Patcher:
         self.replaced: list = []
         self.skipped: list = []
 
-    def take(self, name: str, module: torch.nn.Module, forward: Callable, note: str) -> None:
-        """module.forward = forward (bound to the instance), unless it was patched before or has hooks."""
+    def take(self, name: str, module: torch.nn.Module, forward: Callable, note: str, method: str = "forward") -> None:
+        """module.<method> = forward (bound to the instance), unless it was patched before or has hooks."""
         if module.__dict__.get(MARK):
             return
         if module._forward_hooks or module._forward_pre_hooks:
             self.skip(name, module, "has hooks")
             return
-        module.forward = types.MethodType(forward, module)
+        setattr(module, method, types.MethodType(forward, module))
         module.__dict__[MARK] = note
         self.replaced.append(Replacement(name, type(module).__qualname__, type(module).__qualname__, note))
 

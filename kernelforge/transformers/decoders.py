@@ -17,7 +17,9 @@ attention modules, and the causal-LM head's loss. What the families differ in (t
 - the MLP: gate_proj / up_proj / down_proj (kf.gated_mlp, the activation from the module: silu,
   gelu, gelu tanh) or a packed gate_up_proj (Phi-3: down_proj(kf.swiglu(gate_up_proj(x)))).
 - mixtures of experts (Mixtral, Qwen3-MoE): the attention, norms, dense MLPs and loss as above; the
-  experts' MLPs (kept as 3-D weights) stay transformers'.
+  experts (3-D weights, a packed [gate | up] projection) keep transformers' experts forward (its
+  grouped GEMMs, by default), with act(gate) * up between the GEMMs by kf.swiglu (its _apply_gate,
+  the hook transformers' experts implementations call; "eager" experts do not call it).
 - GPT-2: its LayerNorms (kf.layer_norm) and its MLP's GELU (kf.gelu between the Conv1D projections);
   attention transformers'.
 - the head: logits divided by a scale (Granite: the hidden states divided instead, by transformers'
@@ -78,7 +80,7 @@ FAMILIES = {"llama": Family("Llama"), "mistral": Family("Mistral", window="confi
             "gemma3_text": Family("Gemma3", window="module", qk_norm=True, norm_offset=True),
             "granite": Family("Granite"), "olmo2": Family("Olmo2", attention=False),
             "phi3": Family("Phi3", attention=False, packed_mlp=True),
-            # mixtures of experts: their experts (3-D weights) stay transformers' (the report says so)
+            # mixtures of experts: their experts' gated activation kernelforge's (_patch_experts)
             "mixtral": Family("Mixtral", window="config"),
             "qwen3_moe": Family("Qwen3Moe", window="module", qk_norm=True),
             "gpt2": Family("GPT2", attention=False, gelu_mlp=True, causal_lm="GPT2LMHeadModel")}
@@ -257,6 +259,28 @@ def _patch_mlp(name: str, module, family: Family, patcher: Patcher) -> None:
         patcher.skip(name, module, "a projection has a bias or hooks")
 
 
+def _packed_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up of the experts' packed [gate | up] projection (transformers' _apply_gate)."""
+    return swiglu(gate_up)
+
+
+def _patch_experts(name: str, module, model, patcher: Patcher) -> None:
+    """The experts' _apply_gate -> kf.swiglu, where it is transformers' default (silu, [gate | up])."""
+    gate = getattr(type(module), "_apply_gate", None)
+    act = getattr(module, "act_fn", None)
+    implementation = getattr(model.config, "_experts_implementation", None)
+    if getattr(gate, "__name__", None) != "_default_apply_gate" or not getattr(module, "is_concatenated", False):
+        patcher.skip(name, module, "its gated activation is not transformers' default act(gate) * up of [gate | up]")
+    elif GATED_KINDS.get(type(act).__name__) != "silu":
+        patcher.skip(name, module, f"activation {type(act).__name__}, not silu")
+    elif implementation not in ("grouped_mm", "batched_mm"):
+        patcher.skip(name, module, f"experts_implementation {implementation!r} computes act(gate) * up itself; "
+                                   "model.set_experts_implementation('grouped_mm') before kf.patch takes it")
+    else:
+        patcher.take(name, module, _packed_gate, f"_apply_gate -> kf.swiglu (between the {implementation} "
+                                                 "experts' GEMMs)", method="_apply_gate")
+
+
 def patch(model: torch.nn.Module, model_type: str) -> Replacements:
     family = FAMILIES[model_type]
     patcher = Patcher()
@@ -281,7 +305,7 @@ def patch(model: torch.nn.Module, model_type: str) -> Replacements:
         elif family.gelu_mlp and type(module) is torch.nn.LayerNorm:
             take(name, module, layer_norm_forward, "forward -> kf.layer_norm")
         elif kind == f"{family.prefix}Experts" and not model.__dict__.get(MARK):
-            patcher.skip(name, module, "a mixture of experts' MLPs (3-D weights): transformers' own")
+            _patch_experts(name, module, model, patcher)
     if not model.__dict__.get(MARK):
         _use_kernelforge_attention(model, patcher)
         reason = _loss_skip_reason(model, family)
