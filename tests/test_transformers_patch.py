@@ -27,7 +27,8 @@ FAMILY_MODELS = {
         **SHAPE, head_dim=16, tie_word_embeddings=tie)),
     # Gemma's 1 + w norms and gelu-tanh MLP; Gemma 2 / 3 with their logit softcap (and Gemma 2's
     # attention softcap, left to transformers' attention); Granite with its multipliers and logit
-    # scale; OLMo 2's post-norms and q / k norms; Phi-3's packed gate_up_proj
+    # scale; OLMo 2's post-norms and q / k norms (over the projection); Phi-3's packed qkv_proj and
+    # gate_up_proj, half of each head rotated, a sliding window shorter than the sequence
     "gemma": lambda tie: transformers.GemmaForCausalLM(transformers.GemmaConfig(
         **SHAPE, head_dim=16, tie_word_embeddings=tie)),
     "gemma2": lambda tie: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
@@ -39,7 +40,8 @@ FAMILY_MODELS = {
         tie_word_embeddings=tie)),
     "olmo2": lambda tie: transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**SHAPE, tie_word_embeddings=tie)),
     "phi3": lambda tie: transformers.Phi3ForCausalLM(transformers.Phi3Config(
-        **SHAPE, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=tie)),
+        **SHAPE, pad_token_id=0, bos_token_id=1, eos_token_id=2, partial_rotary_factor=0.5, sliding_window=8,
+        tie_word_embeddings=tie)),
     # mixtures of experts (the router's auxiliary loss on for Mixtral; Qwen3-MoE's first layer dense)
     "mixtral": lambda tie: transformers.MixtralForCausalLM(transformers.MixtralConfig(
         **SHAPE, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, tie_word_embeddings=tie)),
@@ -53,7 +55,7 @@ FAMILY_MODELS = {
 }
 # the families whose attention forward kernelforge replaces (kf.rope inside); the MLP's note
 ROPE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma", "gemma2", "gemma3_text",
-                 "granite")
+                 "granite", "olmo2", "phi3")
 MOE_LAYERS = {"mixtral": ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"],
               "qwen3_moe": ["model.layers.1.mlp.experts"]}
 MLP_NOTES = {"phi3": "kf.swiglu(gate_up_proj(x))", "gpt2": "kf.gelu(c_fc(x), approximate='tanh')",

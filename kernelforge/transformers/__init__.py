@@ -18,10 +18,9 @@ What a family's patch does (kernelforge/transformers/decoders.py has each family
                    hooks on a projection, down_proj(kf.swiglu(gate_proj(x), up_proj(x))); Phi-3's
                    packed gate_up_proj: down_proj(kf.swiglu(gate_up_proj(x))); GPT-2's:
                    c_proj(kf.gelu(c_fc(x)))
-    attention      Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, Gemma, Gemma 2, Gemma 3,
-                   Granite: transformers' forward with kf.rope for q and k (the attention function
-                   is the one config._attn_implementation names in transformers' registry); the
-                   other families keep transformers' attention. A model on "sdpa" moves to
+    attention      every family but GPT-2: transformers' forward with kf.rope for q and k (the
+                   attention function is the one config._attn_implementation names in
+                   transformers' registry); GPT-2 keeps transformers' attention. A model on "sdpa" moves to
                    "kernelforge" (kernelforge/transformers/attention.py: SDPA whose causal mask
                    stays implicit under torch.compile)
     causal-LM loss with labels, the head and the loss -> kf.fused_linear_cross_entropy over the

@@ -1,17 +1,16 @@
 """The patch of transformers' decoder-only causal LMs built like Llama, and GPT-2 (FAMILIES;
 kernelforge.transformers dispatches here): per instance, forwards of this model's RMSNorm, MLP and
 attention modules, and the causal-LM head's loss. What the families differ in (their Family):
-- the attention: Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, Gemma, Gemma 2, Gemma 3 and
-  Granite take transformers' LlamaAttention.forward (theirs are the same; Granite's scale comes from
-  its config; Gemma 2 hands its attention softcap on) with kf.rope in place of apply_rotary_pos_emb
-  (transformers calls it by its module-level name, so no instance setting reaches it), with what
-  they add: a sliding window handed to the attention function (Mistral / Mixtral from the config,
-  Qwen2 / Qwen3 / Qwen3-MoE / Gemma 2 / 3 per layer), RMSNorms on q and k over the head dim before
-  the rotation (Qwen3, Qwen3-MoE, Gemma 3). The projections, the cache update and the attention
-  function transformers' registry picks (config._attn_implementation) are as transformers does them,
-  in the versions of TESTED_VERSIONS; with another version the attention is left alone, and the
-  report says so. The other families keep transformers' attention (their q / k norms, fused qkv
-  projections and post-norms are not copied here).
+- the attention: every family but GPT-2 takes transformers' LlamaAttention.forward (theirs are the
+  same; Granite's scale comes from its config; Gemma 2 hands its attention softcap on) with kf.rope
+  in place of apply_rotary_pos_emb (transformers calls it by its module-level name, so no instance
+  setting reaches it), with what they add: a sliding window handed to the attention function
+  (Mistral / Mixtral / Phi-3 from the config, Qwen2 / Qwen3 / Qwen3-MoE / Gemma 2 / 3 per layer),
+  RMSNorms on q and k before the rotation (over each head: Qwen3, Qwen3-MoE, Gemma 3; over the whole
+  projection: OLMo 2), one packed qkv projection (Phi-3, whose rotation may cover part of each head).
+  The projections, the cache update and the attention function transformers' registry picks
+  (config._attn_implementation) are as transformers does them, in the versions of TESTED_VERSIONS;
+  with another version the attention is left alone, and the report says so.
 - the norm: x * rsqrt(mean(x^2) + eps) times w (Llama) or times 1 + w in float32 (Gemma's):
   kf.rms_norm either way (offset=1 for Gemma).
 - the MLP: gate_proj / up_proj / down_proj (kf.gated_mlp, the activation from the module: silu,
@@ -60,7 +59,8 @@ class Family:
     prefix: str  # the class names' prefix: <prefix>RMSNorm, <prefix>MLP, <prefix>Attention, <prefix>ForCausalLM
     attention: bool = True  # Llama's attention forward (kf.rope inside); False: transformers' own
     window: Optional[str] = None  # the sliding window the attention passes on: "config", "module" or none
-    qk_norm: bool = False  # q_norm / k_norm over the head dim before the rotation
+    qk_norm: Optional[str] = None  # q_norm / k_norm before the rotation: over each "head" or the whole "projection"
+    packed_qkv: bool = False  # one qkv_proj holds [q | k | v] (Phi-3)
     attention_softcap: bool = False  # the attention function gets softcap=module.attn_logit_softcapping (Gemma 2)
     norm_offset: bool = False  # the norm's scale is 1 + w, applied in float32 (Gemma)
     packed_mlp: bool = False  # gate_up_proj holds [gate | up] (Phi-3)
@@ -74,15 +74,15 @@ class Family:
 
 # config.model_type -> what its transformers modeling code does (transformers 5.17 and 5.24)
 FAMILIES = {"llama": Family("Llama"), "mistral": Family("Mistral", window="config"),
-            "qwen2": Family("Qwen2", window="module"), "qwen3": Family("Qwen3", window="module", qk_norm=True),
+            "qwen2": Family("Qwen2", window="module"), "qwen3": Family("Qwen3", window="module", qk_norm="head"),
             "gemma": Family("Gemma", norm_offset=True),
             "gemma2": Family("Gemma2", window="module", attention_softcap=True, norm_offset=True),
-            "gemma3_text": Family("Gemma3", window="module", qk_norm=True, norm_offset=True),
-            "granite": Family("Granite"), "olmo2": Family("Olmo2", attention=False),
-            "phi3": Family("Phi3", attention=False, packed_mlp=True),
+            "gemma3_text": Family("Gemma3", window="module", qk_norm="head", norm_offset=True),
+            "granite": Family("Granite"), "olmo2": Family("Olmo2", qk_norm="projection"),
+            "phi3": Family("Phi3", window="config", packed_qkv=True, packed_mlp=True),
             # mixtures of experts: their experts' gated activation kernelforge's (_patch_experts)
             "mixtral": Family("Mixtral", window="config"),
-            "qwen3_moe": Family("Qwen3Moe", window="module", qk_norm=True),
+            "qwen3_moe": Family("Qwen3Moe", window="module", qk_norm="head"),
             "gpt2": Family("GPT2", attention=False, gelu_mlp=True, causal_lm="GPT2LMHeadModel")}
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # the MLP's activation module (transformers.activations) -> kernelforge's gated kind
@@ -130,13 +130,20 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     modeling = sys.modules[type(self).__module__]
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
-    query = self.q_proj(hidden_states).view(hidden_shape)
-    key = self.k_proj(hidden_states).view(hidden_shape)
-    if family.qk_norm:
+    if family.packed_qkv:
+        qkv = self.qkv_proj(hidden_states)
+        q_end = self.config.num_attention_heads * self.head_dim
+        k_end = q_end + self.num_key_value_heads * self.head_dim
+        query, key, value = qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:]
+    else:
+        query, key, value = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+    if family.qk_norm == "projection":
         query, key = self.q_norm(query), self.k_norm(key)
-    query, key = query.transpose(1, 2), key.transpose(1, 2)
-    value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    cos, sin = position_embeddings
+    query, key, value = query.view(hidden_shape), key.view(hidden_shape), value.view(hidden_shape)
+    if family.qk_norm == "head":
+        query, key = self.q_norm(query), self.k_norm(key)
+    query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    cos, sin = position_embeddings  # Phi-3's may rotate part of each head: kf.rope leaves the rest
     query, key = rope(query, key, cos, sin)
     if cache is not None:
         key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
