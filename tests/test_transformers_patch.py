@@ -300,16 +300,16 @@ def test_family():
         kf_transformers.patch(torch.nn.Linear(2, 2))
 
 
-@pytest.mark.parametrize("family", ["llama", "mixtral"])
+@pytest.mark.parametrize("family", list(FAMILY_MODELS))
 def test_compiles_without_graph_breaks(family):
     # the patch adds no graph break: the whole training loss traces as one graph, and gives
-    # the unpatched model's loss and gradients (Mixtral: its experts' batched GEMMs and kf.swiglu;
-    # without the router's logits, whose capture breaks the graph in transformers itself, and not
-    # on grouped_mm, whose CPU fallback's backward does not trace in transformers 5.17)
+    # the unpatched model's loss and gradients (mixtures of experts: their experts' batched GEMMs
+    # and kf.swiglu; without the router's logits, whose capture breaks the graph in transformers
+    # itself, and not on grouped_mm, whose CPU fallback's backward does not trace in transformers 5.17)
     reference, model = tiny_llama(family=family), tiny_llama(family=family)
     for m in (reference, model):
         m.config.output_router_logits = False
-        if family == "mixtral":
+        if family in MOE_LAYERS:
             m.set_experts_implementation("batched_mm")
     patched(model)
     ids = torch.randint(0, 300, (2, 16))
