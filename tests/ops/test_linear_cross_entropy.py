@@ -158,6 +158,18 @@ def test_gradients_computed_in_the_forward(backend, device):
                 assert (got.grad is None) == (want.grad is None), f"{needs} {name}"
                 if got.grad is not None:
                     torch.testing.assert_close(got.grad, want.grad.float(), rtol=1e-4, atol=1e-5)
+        # every target ignored: a NaN mean (0 / 0, as torch's) and zero gradients (torch's too)
+        ignored = torch.full_like(target, -100)
+        for reduction in ("mean", "sum"):
+            mine = [t.clone().requires_grad_() for t in (x, weight)]
+            exact = [t.double().requires_grad_() for t in (x, weight)]
+            loss = kf.fused_linear_cross_entropy(*mine, ignored, reduction=reduction, chunk_rows=4)
+            want = torch_loss(*exact, ignored, reduction=reduction)
+            assert loss.isnan().item() == want.isnan().item() == (reduction == "mean")
+            loss.backward()
+            want.backward()
+            for got, expected in zip(mine, exact):
+                assert torch.equal(got.grad, expected.grad.float()) and not got.grad.any(), reduction
         w = weight.clone().requires_grad_()
         loss = kf.fused_linear_cross_entropy(x, w, target, reduction="sum", chunk_rows=4)
         loss.backward(retain_graph=True)
