@@ -50,6 +50,20 @@ def require(condition, message: Callable[[], str]) -> None:
         torch._check(condition, message)
 
 
+def as_float(op: str, name: str, value) -> float:
+    """A real-number argument (a float, an int, a NumPy scalar, a one-element tensor) as a Python
+    float, else a TypeError naming it (float() itself says only "could not convert string to
+    float", and takes "1e-5" as a number)."""
+    if type(value) is float:  # every call with a default: no more cost than this
+        return value
+    if not isinstance(value, (str, bytes)):
+        try:
+            return float(value)
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    raise TypeError(f"kernelforge.{op}: {name} must be a real number, got {type(value).__name__} {value!r}")
+
+
 def check_same(op: str, what: str, names: Sequence[str], values: Sequence[object]) -> None:
     """All of `values` (devices, dtypes, shapes) equal, else a message naming each argument."""
     first = values[0]

@@ -46,7 +46,7 @@ import torch
 
 from kernelforge import backends
 from kernelforge.block_mask import TENSOR_FIELDS, BlockMask
-from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same
+from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, as_float, check_floating, check_same
 from kernelforge.ops._opdef import define_op
 from kernelforge.reference.attention import Visibility
 
@@ -133,7 +133,7 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     dtype = q.dtype
     if (len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and dtype in FLOAT_DTYPES and k.dtype == dtype
             and v.dtype == dtype and k.device == q.device and v.device == q.device and ks[:3] == vs[:3]
-            and ks[0] == qs[0] and ks[3] == qs[3] and ks[1] != 0 and qs[1] % ks[1] == 0):
+            and ks[0] == qs[0] and ks[3] == qs[3] and qs[3] != 0 and ks[1] != 0 and qs[1] % ks[1] == 0):
         return  # valid inputs in one pass (this runs twice an eager call); else find what is wrong, below
     names = ("q", "k", "v")
     for name, t in zip(names, (q, k, v)):
@@ -149,6 +149,8 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         _fail(f"k and v must agree in (batch, heads, seq), got k {tuple(k.shape)} and v {tuple(v.shape)}")
     if k.shape[3] != D:
         _fail(f"q and k must have the same head_dim, got {D} and {k.shape[3]}")
+    if D == 0:
+        _fail(f"q and k must have a head_dim of at least 1, got q of shape {tuple(q.shape)}")
     if k.shape[1] == 0 or H % k.shape[1] != 0:
         _fail(f"the heads of k and v ({k.shape[1]}) must divide the heads of q ({H}) "
               "(grouped-query attention)")
@@ -396,7 +398,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     Returns out (batch, heads, Sq, head_dim_v) in q's dtype [, lse].
     """
     _check_qkv(q, k, v)
-    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    scale = float(q.shape[-1] ** -0.5) if scale is None else as_float(NAME, "scale", scale)
     _check_block_mask(block_mask, q, k)
     left, right = _band(causal, window)
     attn_mask = _check_mask(attn_mask, q, k)

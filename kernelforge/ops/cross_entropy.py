@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from kernelforge import backends
-from kernelforge.ops._common import FLOAT_DTYPES, any_inputs, check_floating, check_same, require, triton_floats
+from kernelforge.ops._common import FLOAT_DTYPES, any_inputs, as_float, check_floating, check_same, require, triton_floats
 from kernelforge.ops._opdef import define_op
 from kernelforge.reference._accumulation import accumulation_dtype
 from kernelforge.reference.cross_entropy import target_masks
@@ -219,7 +219,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: i
         raise TypeError(f"kernelforge.{NAME}: target must hold class indices (int64 or int32); probability targets "
                         f"are not supported, got {target.dtype}")
     logits2d, target1d = _as_rows(logits, target)
-    loss = cross_entropy_op(logits2d, target1d, ignore_index, float(label_smoothing))[0]
+    loss = cross_entropy_op(logits2d, target1d, ignore_index, as_float(NAME, "label_smoothing", label_smoothing))[0]
     if reduction == "none":
         return loss.view(target.shape)
     if reduction == "sum":

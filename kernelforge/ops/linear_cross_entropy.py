@@ -53,7 +53,7 @@ from typing import Optional
 import torch
 
 from kernelforge import backends
-from kernelforge.ops._common import FLOAT_DTYPES, check_floating, check_same, require
+from kernelforge.ops._common import FLOAT_DTYPES, as_float, check_floating, check_same, require
 from kernelforge.ops._opdef import define_op, is_traced
 from kernelforge.ops.cross_entropy import OP as CROSS_ENTROPY_OP
 from kernelforge.ops.cross_entropy import REDUCTIONS, TARGET_DTYPES
@@ -367,7 +367,8 @@ def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: to
     if chunk_rows is None:
         chunk_rows = default_chunk_rows(x2d.shape[0], weight.shape[0] if weight.dim() == 2 else 1, x2d.shape[1],
                                         gradients_in_forward=gradients_in_forward and needs[1])
-    options = (ignore_index, float(label_smoothing), float(softcap or 0.0), float(z_loss), int(chunk_rows))
+    options = (ignore_index, as_float(NAME, "label_smoothing", label_smoothing),
+               as_float(NAME, "softcap", softcap or 0.0), as_float(NAME, "z_loss", z_loss), int(chunk_rows))
     if gradients_in_forward:
         return linear_cross_entropy_reduced_op(x2d, weight, target1d, bias, *options, reduction == "mean", *needs)[0]
     loss = linear_cross_entropy_op(x2d, weight, target1d, bias, *options)[0]

@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 import torch
 
 from kernelforge import backends
-from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, require
+from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, as_float, check_floating, check_same, require
 from kernelforge.ops._opdef import Op, define_op
 
 OP = "norms"  # the backend registry's name for the family: the norms share kernels and rules
@@ -422,7 +422,7 @@ def _call(op: Op, v: _Variant, x, residual, weight, bias, eps, offset, normalize
     if eps is None:  # an x of another dtype gets 0.0 here and the op's dtype error
         eps = _DEFAULT_EPS.get(x.dtype, 0.0)
     args = (x, residual) if v.residual else (x,)
-    outputs = op(*args, normalized_shape, weight, bias, float(eps), float(offset))
+    outputs = op(*args, normalized_shape, weight, bias, as_float(v.name, "eps", eps), as_float(v.name, "offset", offset))
     return (outputs[0], outputs[1]) if v.residual else outputs[0]
 
 

@@ -287,6 +287,8 @@ def test_bad_input_errors():
     x, t = torch.randn(4, 5), torch.randint(0, 5, (4,))
     with pytest.raises(ValueError, match="reduction must be one of"):
         kf.cross_entropy(x, t, reduction="avg")
+    with pytest.raises(TypeError, match="label_smoothing must be a real number, got str '0.1'"):
+        kf.cross_entropy(x, t, label_smoothing="0.1")
     with pytest.raises(TypeError, match="probability targets are not supported"):
         kf.cross_entropy(x, torch.rand(4, 5))
     with pytest.raises(TypeError, match="target must be class indices of dtype int64 or int32, got torch.int16"):

@@ -278,6 +278,8 @@ def test_bad_input_is_rejected():
         ((x, weight, target), {"label_smoothing": 1.5}, ValueError, "label_smoothing must be in"),
         ((x, weight, target), {"softcap": -1.0}, ValueError, "softcap must be positive"),
         ((x, weight, target), {"z_loss": -1.0}, ValueError, "z_loss must be >= 0"),
+        ((x, weight, target), {"softcap": "30"}, TypeError, "softcap must be a real number, got str '30'"),
+        ((x, weight, target), {"z_loss": None}, TypeError, "z_loss must be a real number, got NoneType None"),
         ((x, weight, target), {"chunk_rows": 0}, ValueError, "chunk_rows must be >= 1"),
         ((x, [1.0], target), {}, TypeError, "weight must be a tensor"),
     ]

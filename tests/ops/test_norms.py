@@ -439,6 +439,10 @@ def test_bad_input_is_rejected_clearly():
         kf.add_layer_norm(x, x.t())
     with pytest.raises(TypeError, match=r"add_layer_norm: residual must be a tensor, got NoneType"):
         kf.add_layer_norm(x, None)
+    with pytest.raises(TypeError, match=r"kernelforge\.rms_norm: eps must be a real number, got str 'x'"):
+        kf.rms_norm(x, torch.ones(8), "x")
+    with pytest.raises(TypeError, match=r"kernelforge\.layer_norm: offset must be a real number, got NoneType None"):
+        kf.layer_norm(x, offset=None)
     stats = torch.ops.kernelforge.layer_norm(x, [8], None, None, 1e-5, 0.0)[1:]
     with pytest.raises(RuntimeError, match=r"mean must have dtype torch.float32 for h of torch.float32, got torch.float64"):
         torch.ops.kernelforge.layer_norm_backward(x, None, x, [8], None, None, stats[0].double(), stats[1], 1e-5, 0.0, True)
