@@ -37,7 +37,7 @@ import torch
 
 from kernelforge import backends
 from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, require
-from kernelforge.ops._opdef import define_op
+from kernelforge.ops._opdef import define_op, is_traced
 from kernelforge.reference.gather_scatter import REDUCTIONS
 
 OP = "gather_scatter"  # the backend registry's name
@@ -118,6 +118,20 @@ def _check_forward(x, src, dst, num_nodes, reduce) -> None:
     _check(NAME, "x", x, src, dst, "num_nodes", num_nodes, reduce)
 
 
+def _check_ids_on_the_host(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, num_nodes: int) -> None:
+    """Real CPU tensors only (reading them costs no device sync; a tracer's have no values): every
+    id inside its range, else an IndexError naming the argument, the id and the range (torch's
+    index_add_ into zero rows accepts any id, and its other messages name neither). On a GPU the
+    kernels do not check."""
+    for arg, ids, bound, of in (("src", src, x.shape[0], "x's rows"), ("dst", dst, num_nodes, "num_nodes")):
+        if is_traced(ids) or ids.device.type != "cpu" or ids.numel() == 0:
+            continue
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= bound:
+            raise IndexError(f"kernelforge.{NAME}: {arg} holds node id {low if low < 0 else high}, outside "
+                             f"[0, {bound}) ({of})")
+
+
 def _check_backward(grad_output, src, dst, num_rows, reduce) -> None:
     _check(f"{NAME}_backward", "grad_output", grad_output, src, dst, "num_rows", num_rows, reduce)
 
@@ -135,6 +149,7 @@ def _choose(t: torch.Tensor) -> backends.Choice:
 
 def _forward(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, num_nodes: int, reduce: str) -> torch.Tensor:
     _check_forward(x, src, dst, num_nodes, reduce)
+    _check_ids_on_the_host(x, src, dst, num_nodes)
     y2d = _choose(x).implementation.launchers().gather_scatter_rows(_rows_view(x), src, dst, num_nodes,
                                                                      reduce == "mean")
     return y2d.view((num_nodes,) + tuple(x.shape[1:]))

@@ -406,13 +406,20 @@ def test_backward_op_rejects_bad_input():
 
 
 @pytest.mark.parametrize("reduce", REDUCES)
-def test_reference_raises_on_out_of_range_ids(reduce):
-    # the CPU path raises from index_select / index_add_; the Triton kernel does not check (an
+def test_out_of_range_ids_on_the_cpu_are_named(reduce):
+    # CPU tensors: every id checked, the argument, the id and the range named (num_nodes=0 too,
+    # where torch's index_add_ into zero rows accepts any id); a GPU kernel does not check (an
     # out-of-range id there is undefined, as in torch's CUDA index_add_)
     x = torch.randn(5, 3)
-    for src, dst in ((_ids(0, 5), _ids(1, 2)), (_ids(0, 1), _ids(1, 4)), (_ids(-1, 1), _ids(1, 2))):
-        with kf.use_backend("reference"), pytest.raises((IndexError, RuntimeError), match="out of range|index"):
-            kf.gather_scatter(x, src, dst, 4, reduce)
+    cases = (((0, 5), (1, 2), 4, r"src holds node id 5, outside \[0, 5\) \(x's rows\)"),
+             ((0, 1), (1, 4), 4, r"dst holds node id 4, outside \[0, 4\) \(num_nodes\)"),
+             ((-1, 1), (1, 2), 4, r"src holds node id -1, outside \[0, 5\)"),
+             ((0, 1), (1, 7), 0, r"dst holds node id 7, outside \[0, 0\) \(num_nodes\)"))
+    for src, dst, num_nodes, message in cases:
+        for backend in ("reference", "triton"):
+            with kf.use_backend(backend), pytest.raises(IndexError, match=message):
+                kf.gather_scatter(x, _ids(*src), _ids(*dst), num_nodes, reduce)
+    assert kf.gather_scatter(x, _ids(0, 0)[:0], _ids(0, 0)[:0], 0, reduce).shape == (0, 3)
 
 
 # ----------------------------------------------------------------------------- GPU only
