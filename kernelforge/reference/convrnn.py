@@ -31,7 +31,7 @@ def convrnn_forward(x: torch.Tensor, kernel: torch.Tensor, hidden: torch.Tensor)
     pad = w.shape[-1] // 2
     h = hidden.to(acc, copy=True)  # a new tensor even when T = 0: outputs never alias inputs
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    for t in range(x.shape[1]):
+    for t in range(x.shape[1] if x.shape[2] else 0):  # no features: nothing to compute (conv1d refuses it)
         h = torch.tanh(x[:, t].to(acc) + F.conv1d(h.unsqueeze(1), w, padding=pad).squeeze(1))
         out[:, t] = h
     return out, h.to(x.dtype)
@@ -43,7 +43,7 @@ def convrnn_backward(grad_out: torch.Tensor, grad_h: torch.Tensor, kernel: torch
     acc = _state_dtype(out.dtype)
     w = kernel.to(acc).reshape(1, 1, -1)
     pad = w.shape[-1] // 2
-    T = out.shape[1]
+    T = out.shape[1] if out.shape[2] else 0  # no features: no terms (dx empty, dkernel 0)
     dx = torch.empty(out.shape, dtype=out.dtype, device=out.device)
     dw = torch.zeros(w.shape[-1], dtype=acc, device=out.device)
     g = grad_h.to(acc, copy=True)

@@ -146,6 +146,12 @@ def test_layouts_and_empty_inputs(backend, device):
         x, kernel, hidden = inputs((0, 4, 7, 3), dtype, device)
         out, h_last = kf.convrnn(x, kernel, hidden)
         assert out.shape == (0, 4, 7) and h_last.shape == (0, 7)
+        # no features: empty results, a zero kernel gradient
+        x, kernel, hidden = inputs((2, 4, 0, 3), dtype, device, requires_grad=True)
+        out, h_last = kf.convrnn(x, kernel, hidden)
+        assert out.shape == (2, 4, 0) and h_last.shape == (2, 0)
+        dx, dk, dh = torch.autograd.grad((out.sum(), h_last.sum()), (x, kernel, hidden))
+        assert dx.shape == (2, 4, 0) and dh.shape == (2, 0) and torch.equal(dk, torch.zeros_like(dk))
 
 
 @pytest.mark.parametrize("device", device_cases())
