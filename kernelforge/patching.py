@@ -49,8 +49,9 @@ __all__ = ["MultiheadAttention", "Replacement", "Replacements", "Skipped", "patc
 class MultiheadAttention(kfnn.Attention):
     """kernelforge.nn.Attention in torch.nn.MultiheadAttention's clothes: batch_first=False takes
     (seq, batch, embed) inputs (transposed around the batch-first attention, as torch's MHA does
-    itself the other way round), forward takes MHA's positional arguments, and state_dict() writes
-    MHA's keys (in_proj_weight / in_proj_bias, in the same order), so checkpoints go both ways."""
+    itself the other way round), forward takes MHA's positional arguments and defaults (need_weights=True:
+    the weights are computed, unfused, as torch computes them), and state_dict() writes MHA's keys
+    (in_proj_weight / in_proj_bias, in the same order), so checkpoints go both ways."""
 
     def __init__(self, embed_dim: int, num_heads: int, *, batch_first: bool = True, **kwargs):
         super().__init__(embed_dim, num_heads, **kwargs)
@@ -98,10 +99,12 @@ class MultiheadAttention(kfnn.Attention):
         return None
 
     def forward(self, query: torch.Tensor, key: Optional[torch.Tensor] = None, value: Optional[torch.Tensor] = None,
-                key_padding_mask: Optional[torch.Tensor] = None, need_weights: bool = False,
+                key_padding_mask: Optional[torch.Tensor] = None, need_weights: bool = True,
                 attn_mask: Optional[torch.Tensor] = None, average_attn_weights: bool = True,
                 is_causal: bool = False):
-        """As torch.nn.MultiheadAttention.forward (need_weights=True raises; see kernelforge.nn.Attention)."""
+        """As torch.nn.MultiheadAttention.forward, its default need_weights=True included: then
+        the weights are computed as torch computes them (flash attention never forms them), with
+        the output, by torch's unfused attention; need_weights=False takes flash attention."""
         if is_causal and attn_mask is not None:
             # torch's MHA takes is_causal as a hint that attn_mask is the causal mask: the mask decides
             is_causal = False
@@ -111,6 +114,9 @@ class MultiheadAttention(kfnn.Attention):
             if length != keys:  # torch aligns causality to the top left, kernelforge to the bottom right
                 raise ValueError(f"kernelforge.patching.MultiheadAttention: is_causal without attn_mask needs as "
                                  f"many queries as keys, got {length} and {keys}; pass the causal attn_mask")
+        if need_weights:
+            return self._forward_with_weights(query, key, value, key_padding_mask, attn_mask, average_attn_weights,
+                                              is_causal)
         options = dict(attn_mask=attn_mask, key_padding_mask=key_padding_mask, need_weights=need_weights,
                        is_causal=is_causal, average_attn_weights=average_attn_weights)
         if self.batch_first or query.dim() != 3:  # unbatched (seq, embed) is the same either way
@@ -121,6 +127,24 @@ class MultiheadAttention(kfnn.Attention):
         v = q if value is query else k if value is key else None if value is None else value.transpose(0, 1)
         out, weights = super().forward(q, k, v, **options)
         return out.transpose(0, 1), weights
+
+    def _forward_with_weights(self, query, key, value, key_padding_mask, attn_mask, average_attn_weights, is_causal):
+        """(out, weights) by torch.nn.functional.multi_head_attention_forward on this module's
+        parameters: what torch.nn.MultiheadAttention returns when asked for the weights."""
+        if key is None and value is None:  # kernelforge.nn.Attention's self-attention call
+            key = value = query
+        if is_causal and attn_mask is None:  # torch takes is_causal as a hint and needs the mask
+            seq = 0 if query.dim() == 2 or not self.batch_first else 1
+            attn_mask = torch.ones(query.shape[seq], key.shape[seq], dtype=torch.bool, device=query.device).triu(1)
+        batch_first = self.batch_first and query.dim() == 3
+        if batch_first:  # the functional form takes (seq, batch, embed)
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        out, weights = F.multi_head_attention_forward(
+            query, key, value, self.embed_dim, self.num_heads, self.in_proj.weight, self.in_proj.bias, None, None,
+            False, 0.0, self.out_proj.weight, self.out_proj.bias, training=self.training,
+            key_padding_mask=key_padding_mask, need_weights=True, attn_mask=attn_mask,
+            average_attn_weights=average_attn_weights, is_causal=is_causal)
+        return (out.transpose(0, 1) if batch_first else out), weights
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ("" if self.batch_first else ", batch_first=False")

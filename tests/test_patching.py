@@ -430,10 +430,33 @@ def test_seq_first_mha_adapter_cross_attention_and_positional_arguments():
     assert weights is None
     check_same(out, ref(ref_leaves[0], ref_leaves[1], ref_leaves[1], pad, False)[0],
                leaves + list(mine.parameters()), ref_leaves + list(ref.parameters()))
-    with pytest.raises(NotImplementedError, match="need_weights=True"):
-        mine(query, memory, memory, need_weights=True)
-    assert_close(mine(query[:, 0], memory[:, 0], memory[:, 0])[0], ref(query[:, 0], memory[:, 0], memory[:, 0],
-                                                                       need_weights=False)[0])  # unbatched
+    assert_close(mine(query[:, 0], memory[:, 0], memory[:, 0], need_weights=False)[0],
+                 ref(query[:, 0], memory[:, 0], memory[:, 0], need_weights=False)[0])  # unbatched
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_mha_adapter_returns_the_weights_when_asked(batch_first):
+    # torch's default need_weights=True: the weights (averaged over heads, or per head) and the
+    # output as torch computes them, batched or not, with a padding mask or causal
+    mha = randomize(torch.nn.MultiheadAttention(E, 3, batch_first=batch_first))
+    ref = copy.deepcopy(mha)
+    model = torch.nn.ModuleDict({"mha": mha})
+    kf.patch(model)
+    mine = model["mha"]
+    assert isinstance(mine, MultiheadAttention)
+    x = torch.randn(B, L, E) if batch_first else torch.randn(L, B, E)
+    pad = torch.zeros(B, L, dtype=torch.bool)
+    pad[1, 4:] = True
+    for kwargs in (dict(), dict(key_padding_mask=pad, average_attn_weights=False),
+                   dict(attn_mask=torch.ones(L, L, dtype=torch.bool).triu(1), is_causal=True)):
+        out, weights = mine(x, x, x, **kwargs)
+        want, want_weights = ref(x, x, x, **kwargs)
+        assert weights is not None and weights.shape == want_weights.shape, kwargs
+        assert_close(out, want)
+        assert_close(weights, want_weights)
+    unbatched = x[:, 0] if not batch_first else x[0]
+    for got, want in zip(mine(unbatched, unbatched, unbatched), ref(unbatched, unbatched, unbatched)):
+        assert_close(got, want)
 
 
 # ----------------------------------------------------------------------------- against float64 (and the GPU)
