@@ -140,6 +140,17 @@ def test_experts_under_each_experts_implementation(implementation, monkeypatch):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_experts_with_another_gate_layout_are_left_alone():
+    # interleaved [gate0, up0, gate1, ...] weights (is_concatenated=False) are not kf.swiglu's layout
+    model = tiny_llama(family="mixtral")
+    model.model.layers[1].mlp.experts.is_concatenated = False
+    report = patched(model)
+    reason = "its gated activation is not transformers' default act(gate) * up of [gate | up]"
+    assert [(s.name, s.reason) for s in report.skipped] == [("model.layers.1.mlp.experts", reason)]
+    assert "_apply_gate" in model.model.layers[0].mlp.experts.__dict__
+    assert "_apply_gate" not in model.model.layers[1].mlp.experts.__dict__
+
+
 def test_a_projection_with_a_hook_keeps_the_unfused_mlp():
     # the fused MLP reads the projections' weights: a hooked (or biased) projection keeps its call
     reference, model = tiny_llama(), tiny_llama()

@@ -276,7 +276,8 @@ def _patch_experts(name: str, module, model, patcher: Patcher) -> None:
     gate = getattr(type(module), "_apply_gate", None)
     act = getattr(module, "act_fn", None)
     implementation = getattr(model.config, "_experts_implementation", None)
-    if getattr(gate, "__name__", None) != "_default_apply_gate" or not getattr(module, "is_concatenated", False):
+    if (getattr(gate, "__name__", None) != "_default_apply_gate" or not getattr(module, "is_concatenated", False)
+            or not getattr(module, "has_gate", False)):
         patcher.skip(name, module, "its gated activation is not transformers' default act(gate) * up of [gate | up]")
     elif GATED_KINDS.get(type(act).__name__) != "silu":
         patcher.skip(name, module, f"activation {type(act).__name__}, not silu")
