@@ -62,6 +62,8 @@ from kernelforge.triton import interpreter_enabled
 from kernelforge.triton._launch import cdiv, launch, next_power_of_2, on_device, sm_count
 from kernelforge.triton.partial_sums import sum_partials
 
+# Written to the right of a tensor in the kernels (z * C, not C * z): Triton's interpreter from
+# 3.7 on wraps C * z in a constexpr that its math functions refuse; compiled, both are the same.
 SQRT1_2 = tl.constexpr(0.7071067811865476)
 INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 TANH_SCALE = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
@@ -111,7 +113,7 @@ def _activation(z, KIND: tl.constexpr, PRECISE: tl.constexpr):
     if KIND == "gelu":
         y = 0.5 * z * (1.0 + _erf(z * SQRT1_2, PRECISE))
     elif KIND == "gelu_tanh":
-        s, _ = _sigmoid_and_mirror(2.0 * TANH_SCALE * (z + TANH_CUBIC * z * z * z))
+        s, _ = _sigmoid_and_mirror((z + z * TANH_CUBIC * z * z) * (2.0 * TANH_SCALE))
         y = z * s
     elif KIND == "silu":
         s, _ = _sigmoid_and_mirror(z)
@@ -137,7 +139,7 @@ def _activation_for_bf16(z, KIND: tl.constexpr, PRECISE: tl.constexpr):
     product). GPU only (inline PTX); other kinds as _activation."""
     if KIND == "gelu_tanh":
         half_z = 0.5 * z
-        y = half_z + half_z * _tanh_approx(TANH_SCALE * (z + TANH_CUBIC * z * z * z))
+        y = half_z + half_z * _tanh_approx((z + z * TANH_CUBIC * z * z) * TANH_SCALE)
     elif KIND == "silu":
         half_z = 0.5 * z
         y = half_z + half_z * _tanh_approx(half_z)
@@ -156,9 +158,9 @@ def _activation_and_derivative(z, KIND: tl.constexpr, PRECISE: tl.constexpr):
         dy = cdf + z * INV_SQRT_2PI * tl.exp(-0.5 * z * z)
     elif KIND == "gelu_tanh":
         # y = z s(w), w = 2u: y' = s + z s (1 - s) w', w' = 2c (1 + 3a z^2)
-        s, s_mirror = _sigmoid_and_mirror(2.0 * TANH_SCALE * (z + TANH_CUBIC * z * z * z))
+        s, s_mirror = _sigmoid_and_mirror((z + z * TANH_CUBIC * z * z) * (2.0 * TANH_SCALE))
         y = z * s
-        dy = s + z * s * s_mirror * (2.0 * TANH_SCALE * (1.0 + 3.0 * TANH_CUBIC * z * z))
+        dy = s + z * s * s_mirror * ((1.0 + z * (3.0 * TANH_CUBIC) * z) * (2.0 * TANH_SCALE))
     elif KIND == "silu":
         s, s_mirror = _sigmoid_and_mirror(z)
         y = z * s

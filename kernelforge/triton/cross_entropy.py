@@ -43,7 +43,7 @@ def _capped(x, softcap):
     """(softcap * tanh(x / softcap), the tanh) in float32: tanh from one exp2, exact in sign, its
     absolute error a few float32 ulps (the interpreter has no libdevice tanh)."""
     y = x / softcap
-    e = tl.exp2(-2.0 * LOG2E * tl.abs(y))
+    e = tl.exp2(tl.abs(y) * (-2.0 * LOG2E))  # the constant on the right: see activations.SQRT1_2
     t = (1.0 - e) / (1.0 + e)
     t = tl.where(y < 0, -t, t)
     return softcap * t, t
