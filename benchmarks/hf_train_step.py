@@ -151,7 +151,8 @@ def main(argv=None) -> int:
         print(json.dumps(run_variant(args.child, args.model, args.size, args.steps, device, dtype, args.profile_dir)))
         return 0
     # each variant's row as soon as it is measured (a run cut off by a time limit keeps what it has)
-    print(f"transformers {args.model}, size {args.size}, {args.dtype}, {device}: train step (forward, loss, backward, AdamW)")
+    print(f"transformers {args.model}, size {args.size}, {args.dtype}, {device}: train step (forward, loss, backward, "
+          "AdamW)")
     print(f"{'variant':16} {'step ms':>9} {'vs eager':>9} {'peak MiB':>9} {'first loss':>11}  note", flush=True)
     results, eager = [], None
     for variant in args.variants.split(","):

@@ -49,9 +49,10 @@ __all__ = ["MultiheadAttention", "Replacement", "Replacements", "Skipped", "patc
 class MultiheadAttention(kfnn.Attention):
     """kernelforge.nn.Attention in torch.nn.MultiheadAttention's clothes: batch_first=False takes
     (seq, batch, embed) inputs (transposed around the batch-first attention, as torch's MHA does
-    itself the other way round), forward takes MHA's positional arguments and defaults (need_weights=True:
-    the weights are computed, unfused, as torch computes them), and state_dict() writes MHA's keys
-    (in_proj_weight / in_proj_bias, in the same order), so checkpoints go both ways."""
+    itself the other way round), forward takes MHA's positional arguments and defaults
+    (need_weights=True: the weights are computed, unfused, as torch computes them), and
+    state_dict() writes MHA's keys (in_proj_weight / in_proj_bias, in the same order), so
+    checkpoints go both ways."""
 
     def __init__(self, embed_dim: int, num_heads: int, *, batch_first: bool = True, **kwargs):
         super().__init__(embed_dim, num_heads, **kwargs)
@@ -114,6 +115,8 @@ class MultiheadAttention(kfnn.Attention):
             if length != keys:  # torch aligns causality to the top left, kernelforge to the bottom right
                 raise ValueError(f"kernelforge.patching.MultiheadAttention: is_causal without attn_mask needs as "
                                  f"many queries as keys, got {length} and {keys}; pass the causal attn_mask")
+            if need_weights:  # torch's weights path takes is_causal as a hint only: it needs the mask
+                attn_mask = torch.ones(length, keys, dtype=torch.bool, device=query.device).triu(1)
         if need_weights:
             return self._forward_with_weights(query, key, value, key_padding_mask, attn_mask, average_attn_weights,
                                               is_causal)
@@ -133,9 +136,6 @@ class MultiheadAttention(kfnn.Attention):
         parameters: what torch.nn.MultiheadAttention returns when asked for the weights."""
         if key is None and value is None:  # kernelforge.nn.Attention's self-attention call
             key = value = query
-        if is_causal and attn_mask is None:  # torch takes is_causal as a hint and needs the mask
-            seq = 0 if query.dim() == 2 or not self.batch_first else 1
-            attn_mask = torch.ones(query.shape[seq], key.shape[seq], dtype=torch.bool, device=query.device).triu(1)
         batch_first = self.batch_first and query.dim() == 3
         if batch_first:  # the functional form takes (seq, batch, embed)
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))

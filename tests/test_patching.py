@@ -454,6 +454,9 @@ def test_mha_adapter_returns_the_weights_when_asked(batch_first):
         assert weights is not None and weights.shape == want_weights.shape, kwargs
         assert_close(out, want)
         assert_close(weights, want_weights)
+    causal = torch.ones(L, L, dtype=torch.bool).triu(1)  # is_causal alone: the mask built for torch's path
+    for got, want in zip(mine(x, x, x, is_causal=True), ref(x, x, x, attn_mask=causal, is_causal=True)):
+        assert_close(got, want)
     unbatched = x[:, 0] if not batch_first else x[0]
     for got, want in zip(mine(unbatched, unbatched, unbatched), ref(unbatched, unbatched, unbatched)):
         assert_close(got, want)

@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 
 from kernelforge import backends
-from kernelforge.ops._common import FLOAT_DTYPES, any_inputs, as_float, check_floating, check_same, require, triton_floats
+from kernelforge.ops._common import (FLOAT_DTYPES, any_inputs, as_float, check_floating, check_same, require,
+                                     triton_floats)
 from kernelforge.ops._opdef import define_op
 from kernelforge.reference._accumulation import accumulation_dtype
 from kernelforge.reference.cross_entropy import target_masks

@@ -422,7 +422,8 @@ def _call(op: Op, v: _Variant, x, residual, weight, bias, eps, offset, normalize
     if eps is None:  # an x of another dtype gets 0.0 here and the op's dtype error
         eps = _DEFAULT_EPS.get(x.dtype, 0.0)
     args = (x, residual) if v.residual else (x,)
-    outputs = op(*args, normalized_shape, weight, bias, as_float(v.name, "eps", eps), as_float(v.name, "offset", offset))
+    eps, offset = as_float(v.name, "eps", eps), as_float(v.name, "offset", offset)
+    outputs = op(*args, normalized_shape, weight, bias, eps, offset)
     return (outputs[0], outputs[1]) if v.residual else outputs[0]
 
 

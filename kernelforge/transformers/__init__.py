@@ -20,9 +20,9 @@ What a family's patch does (kernelforge/transformers/decoders.py has each family
                    c_proj(kf.gelu(c_fc(x)))
     attention      every family but GPT-2: transformers' forward with kf.rope for q and k (the
                    attention function is the one config._attn_implementation names in
-                   transformers' registry); GPT-2 keeps transformers' attention. A model on "sdpa" moves to
-                   "kernelforge" (kernelforge/transformers/attention.py: SDPA whose causal mask
-                   stays implicit under torch.compile)
+                   transformers' registry); GPT-2 keeps transformers' attention. A model on
+                   "sdpa" moves to "kernelforge" (kernelforge/transformers/attention.py: SDPA
+                   whose causal mask stays implicit under torch.compile)
     causal-LM loss with labels, the head and the loss -> kf.fused_linear_cross_entropy over the
                    hidden states in training (the logits never exist whole; the output's logits
                    are None), Granite's logit scale and Gemma 2 / 3's softcap included
@@ -30,8 +30,8 @@ The Linear layers stay torch's (cuBLAS), the MLP's GEMMs too. The attention and 
 transformers' forwards (the attention's is a replacement with kf.rope in it; the loss's wraps
 transformers' own) as the versions in TESTED_VERSIONS have them; with another version they are not
 patched, and the report says so. The experts of mixtures of experts (Mixtral, Qwen3-MoE) keep
-transformers' grouped GEMMs, with kf.swiglu between them. BERT and ViT (kernelforge/transformers/encoders.py):
-their LayerNorms, their MLP's GELU and BERT's residual + LayerNorm blocks (kf.add_layer_norm).
+transformers' grouped GEMMs, with kf.swiglu between them. BERT and ViT
+(kernelforge/transformers/encoders.py): their LayerNorms, their MLP's GELU and BERT's residual + LayerNorm blocks (kf.add_layer_norm).
 """
 from __future__ import annotations
 
