@@ -11,7 +11,8 @@ tokens, bf16, tied embeddings):
     gemma3   Gemma-3-1B: hidden 1152, 26 layers, 4 heads of 256 over 1 kv head (q / k norms, a 512-token
              sliding window in five layers of six), GeGLU (tanh) 6912, 262144 classes, (1 + w) norms
 --size tiny: a few-layer model of the same family on the CPU. --profile-dir DIR: a table of device
-time per kernel over two more steps of each variant into DIR. Variants (each in a process of its
+time per kernel over two more steps of each variant into DIR, and where the device sat idle in them
+(benchmarks/timeline_gaps.py). Variants (each in a process of its
 own: Liger's patch changes transformers' classes for the whole process, kf.patch changes nothing
 global):
     eager            the model as transformers builds it
@@ -30,6 +31,8 @@ import sys
 import time
 
 import torch
+
+from benchmarks.timeline_gaps import idle_report
 
 # (transformers config class, model class, Liger's patch, the config at --size 1b, tiny's changes)
 MODELS = {
@@ -132,6 +135,8 @@ def _profile(step, variant: str, directory: str) -> None:
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, f"{variant}-profile.txt"), "w") as f:
         f.write(f"{variant}: two train steps\n{table}\n")
+    with open(os.path.join(directory, f"{variant}-idle.txt"), "w") as f:
+        f.write(f"{variant}: two train steps, where the device waits\n{idle_report(prof)}")
 
 
 def main(argv=None) -> int:
