@@ -45,8 +45,8 @@ struct Prepared {
 Prepared prepare(const at::Tensor& rows, const at::Tensor& kernel) {
   kc::ConvRnnShape s;
   s.batch = rows.size(0), s.time = rows.size(1), s.features = rows.size(2), s.taps = kernel.numel();
-  TORCH_CHECK(s.features >= 1 && s.features <= kc::kMaxFeatures, "kernelforge ", kOp,
-              ": the CUDA kernels take 1 to ", std::to_string(kc::kMaxFeatures), " features, got ",
+  TORCH_CHECK(s.features >= 0 && s.features <= kc::kMaxFeatures, "kernelforge ", kOp,
+              ": the CUDA kernels take at most ", std::to_string(kc::kMaxFeatures), " features, got ",
               std::to_string(s.features));
   TORCH_CHECK(s.taps % 2 == 1 && s.taps <= kc::kMaxTaps, "kernelforge ", kOp, ": the CUDA kernels take an odd number",
               " of taps up to ", std::to_string(kc::kMaxTaps), ", got ", std::to_string(s.taps));
@@ -60,6 +60,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor
   const auto [s, w] = prepare(x, kernel);
   at::Tensor out = at::empty({s.batch, s.time, s.features}, x.options());
   at::Tensor h_last = at::empty({s.batch, s.features}, x.options());
+  if (s.features == 0) return {out, h_last};  // nothing to compute (and no launch of an empty block)
   check_launch(kc::convrnn_forward(x.data_ptr(), x.stride(0), x.stride(1), w.data_ptr<float>(), hidden.data_ptr(),
                                    hidden.stride(0), out.data_ptr(), h_last.data_ptr(), s, kernel_dtype(x, kOp, "x"),
                                    at::cuda::getCurrentCUDAStream()),
@@ -80,6 +81,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& grad_o
   at::Tensor dx = at::empty({s.batch, s.time, s.features}, out.options());
   at::Tensor dhidden = at::empty({s.batch, s.features}, out.options());
   at::Tensor dw_part = at::zeros({s.batch, s.taps}, out.options().dtype(at::kFloat));
+  if (s.features == 0) return {dx, at::zeros_like(kernel), dhidden};  // no features: a zero kernel gradient
   check_launch(kc::convrnn_backward(grad_out.data_ptr(), grad_out.stride(0), grad_out.stride(1), grad_h.data_ptr(),
                                     grad_h.stride(0), w.data_ptr<float>(), hidden.data_ptr(), hidden.stride(0),
                                     out.data_ptr(), dx.data_ptr(), dhidden.data_ptr(), dw_part.data_ptr<float>(), s,
