@@ -6,6 +6,8 @@ Registered ops (each with a fake implementation and autograd):
     kernelforge::gated_activation(Tensor gate, Tensor up, str kind) -> Tensor      act(gate) * up
     kernelforge::gated_activation_backward(Tensor grad_output, Tensor gate, Tensor up, str kind)
         -> (Tensor, Tensor)
+    kernelforge::gated_activation_backward_and_product(Tensor grad_output, Tensor gate, Tensor up,
+        str kind) -> (Tensor, Tensor, Tensor)     the same and act(gate) * up, from one pass
     kernelforge::gated_activation_packed(Tensor gate_up, str kind) -> Tensor
         gate_up = [gate | up] along the last dim (as torch.chunk(2, -1) splits it)
     kernelforge::gated_activation_packed_backward(Tensor grad_output, Tensor gate_up, str kind) -> Tensor
@@ -127,13 +129,19 @@ def _check_gated_backward(grad_output: torch.Tensor, gate: torch.Tensor, up: tor
     return row_dim(gate)
 
 
-def _gated_backward(grad_output: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, kind: str):
+def _gated_backward(grad_output: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, kind: str,
+                    with_product: bool = False):
     dim = _check_gated_backward(grad_output, gate, up, kind)
+    likes = (gate, up, gate) if with_product else (gate, up)
     if gate.numel() == 0:
-        return empty_rows_output(gate, dim), empty_rows_output(up, dim)
-    grad_gate2d, grad_up2d = _choose(gate, kind).implementation.launchers().glu_backward_rows(
-        rows_view(grad_output, dim), rows_view(gate, dim), rows_view(up, dim), kind)
-    return from_rows(grad_gate2d, gate, dim), from_rows(grad_up2d, up, dim)
+        return tuple(empty_rows_output(t, dim) for t in likes)
+    results2d = _choose(gate, kind).implementation.launchers().glu_backward_rows(
+        rows_view(grad_output, dim), rows_view(gate, dim), rows_view(up, dim), kind, with_product=with_product)
+    return tuple(from_rows(r, t, dim) for r, t in zip(results2d, likes))
+
+
+def _gated_backward_and_product(grad_output: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, kind: str):
+    return _gated_backward(grad_output, gate, up, kind, with_product=True)
 
 
 def _gated_packed(gate_up: torch.Tensor, kind: str) -> torch.Tensor:
@@ -170,6 +178,11 @@ def _fake_gated(gate, up, kind) -> torch.Tensor:
 def _fake_gated_backward(grad_output, gate, up, kind) -> tuple[torch.Tensor, torch.Tensor]:
     dim = _check_gated_backward(grad_output, gate, up, kind)
     return empty_rows_output(gate, dim), empty_rows_output(up, dim)
+
+
+def _fake_gated_backward_and_product(grad_output, gate, up, kind) -> tuple[torch.Tensor, ...]:
+    dim = _check_gated_backward(grad_output, gate, up, kind)
+    return empty_rows_output(gate, dim), empty_rows_output(up, dim), empty_rows_output(gate, dim)
 
 
 def _fake_gated_packed(gate_up, kind) -> torch.Tensor:
@@ -227,6 +240,15 @@ gated_activation_backward_op = define_op(
     impl=_gated_backward, fake=_fake_gated_backward,
     choose=lambda grad_output, gate, up, kind: _choose(gate, kind),
     setup_context=save_inputs_and_kind, backward=_gated_double_backward)
+
+# gated_activation_backward and act(gate) * up again, from one pass over gate and up: for a backward
+# that needs the forward's product and did not keep it (gated_mlp's down-projection weight gradient).
+# No gradient of its own (gated_mlp_backward, its caller, has none).
+gated_activation_backward_and_product_op = define_op(
+    "kernelforge::gated_activation_backward_and_product(Tensor grad_output, Tensor gate, Tensor up, str kind) "
+    "-> (Tensor, Tensor, Tensor)",
+    impl=_gated_backward_and_product, fake=_fake_gated_backward_and_product,
+    choose=lambda grad_output, gate, up, kind: _choose(gate, kind))
 
 gated_activation_op = define_op(
     "kernelforge::gated_activation(Tensor gate, Tensor up, str kind) -> Tensor",

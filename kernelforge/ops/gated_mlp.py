@@ -10,16 +10,18 @@ Registered ops (kernelforge.ops._opdef.define_op; each with a fake):
 Why: as three Linear layers and an activation, the MLP keeps x, gate, up (for the activation's
 backward) and h = act(gate) * up (for the down projection's weight gradient): h is as large as
 gate, about a fifth of what a Llama layer keeps. Here the backward makes h again from gate
-and up (one elementwise kernel: 3 x rows x intermediate elements moved, against the 2 x rows x
-hidden x intermediate FLOPs of each of the MLP's six GEMMs), so a train step holds one tensor of
-(tokens x intermediate) less per layer: 128 MiB a layer of Llama-3.2-1B at 4 x 2048 tokens.
+and up, in the activation's backward kernel, which reads them anyway (one more write of rows x
+intermediate elements, against the 2 x rows x hidden x intermediate FLOPs of each of the MLP's six
+GEMMs), so a train step holds one tensor of (tokens x intermediate) less per layer: 128 MiB a layer
+of Llama-3.2-1B at 4 x 2048 tokens. The grad_down GEMM then waits for that kernel: it runs after
+grad_out @ down_weight, not before.
 
 The GEMMs are torch's (cuBLAS: the same products as the unpatched model's Linear layers), the
 gated activation and its gradient kernelforge's (kernelforge.ops.gated_activations: Triton on a
 GPU, the reference on a CPU). Under torch.compile the op decomposes into both (Inductor launches
 the Triton kernels) and its backward still recomputes h.
 FLOPs: forward 6 T H I (three GEMMs of T rows, hidden H, intermediate I), backward 12 T H I, and
-the activation twice (forward, and again in the backward) plus its gradient.
+the activation in the forward and, with its gradient and the product again, in the backward.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import torch
 
 from kernelforge.ops._common import FLOAT_DTYPES, check_floating, check_same, require
 from kernelforge.ops._opdef import define_op
-from kernelforge.ops.gated_activations import gated_activation_backward_op, gated_activation_op
+from kernelforge.ops.gated_activations import gated_activation_backward_and_product_op, gated_activation_op
 
 NAME = "gated_mlp"
 ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_tanh"}  # public name -> gated kind
@@ -68,10 +70,12 @@ def _forward(x, gate_weight, up_weight, down_weight, kind: str):
 
 def _backward(grad_out, x, gate, up, gate_weight, up_weight, down_weight, kind: str):
     _check(f"{NAME}_backward", x, gate_weight, up_weight, down_weight, kind)
-    h = gated_activation_op(gate, up, kind)  # again: the forward did not keep it
+    # h = act(gate) * up again (the forward did not keep it), made by the activation's backward
+    # kernel as it reads gate and up anyway: one write more there instead of a pass of its own
+    grad_gate, grad_up, h = gated_activation_backward_and_product_op(
+        torch.matmul(grad_out, down_weight), gate, up, kind)
     grad_down = _rows(grad_out).t() @ _rows(h)
     del h
-    grad_gate, grad_up = gated_activation_backward_op(torch.matmul(grad_out, down_weight), gate, up, kind)
     grad_x = (_rows(grad_gate) @ gate_weight).addmm_(_rows(grad_up), up_weight).view(x.shape)
     x2 = _rows(x)
     return grad_x, _rows(grad_gate).t() @ x2, _rows(grad_up).t() @ x2, grad_down

@@ -182,13 +182,15 @@ def glu_forward_rows(gate2d: torch.Tensor, up2d: torch.Tensor, kind: str) -> tor
 
 def glu_backward_rows(
     grad2d: torch.Tensor, gate2d: torch.Tensor, up2d: torch.Tensor, kind: str,
-    out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    out: Optional[tuple[torch.Tensor, torch.Tensor]] = None, with_product: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """`out`, if given, is a (grad_gate2d, grad_up2d) pair of (rows, n) views to write into
-    (the packed form's two halves of one gradient buffer); they are returned."""
+    (the packed form's two halves of one gradient buffer); they are returned. with_product: also
+    act(gate) * up, as glu_forward_rows gives it."""
     grad_gate, grad_up = glu_backward(grad2d, gate2d, up2d, kind)
+    product = (glu_forward_rows(gate2d, up2d, kind),) if with_product else ()
     if out is None:
-        return grad_gate.contiguous(), grad_up.contiguous()
+        return grad_gate.contiguous(), grad_up.contiguous(), *product
     out[0].copy_(grad_gate)
     out[1].copy_(grad_up)
-    return out
+    return (*out, *product)

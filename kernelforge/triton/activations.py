@@ -16,6 +16,9 @@ Per element, with s the storage size (4 fp32, 2 fp16/bf16) and fp32 math:
   _glu_fwd_kernel   y = act(gate) * up               reads 2s, writes s       -> 3s bytes
   _glu_bwd_kernel   dgate = dy * up * act'(gate), dup = dy * act(gate)
                                                      reads 3s, writes 2s      -> 5s bytes
+                    (+ y = act(gate) * up for a backward that needs the product
+                     again, e.g. gated_mlp's weight gradient: + s, against the 3s
+                     of a second _glu_fwd_kernel pass)
 FLOPs per element (a transcendental counts 1; they run on the SFU or as short polynomials):
   act:  relu 1; silu ~5 (exp, add, div, mul, select); gelu ~5 (erf + 4); gelu_tanh ~10
         (cubic, exp, div, mul); act' adds ~4-8 more (gelu's needs one more exp).
@@ -251,9 +254,10 @@ def _glu_fwd_kernel(
 
 @triton.jit
 def _glu_bwd_kernel(
-    g_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n_rows, n_cols,
-    g_row_stride, gate_row_stride, up_row_stride, dgate_row_stride, dup_row_stride, n_col_blocks,
+    g_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, y_ptr, n_rows, n_cols,
+    g_row_stride, gate_row_stride, up_row_stride, dgate_row_stride, dup_row_stride, y_row_stride, n_col_blocks,
     KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISE: tl.constexpr,
+    WRITE_PRODUCT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows, cols, mask = _tile(pid // n_col_blocks, pid % n_col_blocks, n_rows, n_cols, BLOCK_M, BLOCK_N)
@@ -264,6 +268,8 @@ def _glu_bwd_kernel(
     dgate = (g * b * dact).to(dgate_ptr.dtype.element_ty)
     tl.store(dgate_ptr + rows[:, None] * dgate_row_stride + cols[None, :], dgate, mask=mask)
     tl.store(dup_ptr + rows[:, None] * dup_row_stride + cols[None, :], (g * act).to(dup_ptr.dtype.element_ty), mask=mask)
+    if WRITE_PRODUCT:  # act(gate) * up as _glu_fwd_kernel makes it (the same float32 product, one rounding)
+        tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :], (act * b).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------- launch configs
@@ -409,29 +415,33 @@ def glu_forward_rows(
 def glu_backward_rows(
     grad2d: torch.Tensor, gate2d: torch.Tensor, up2d: torch.Tensor, kind: str,
     out: Optional[tuple[torch.Tensor, torch.Tensor]] = None, config: Optional[TileConfig] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_product: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """(grad_gate, grad_up) = (grad * up * act'(gate), grad * act(gate)), as new dense
     tensors, or written into `out`, a pair of (rows, n) views with unit column stride (the
-    packed form passes the two halves of one gradient buffer)."""
+    packed form passes the two halves of one gradient buffer). with_product: also act(gate) * up
+    (as glu_forward_rows gives it), a third new dense tensor, from the same pass."""
     if out is None:
         out = (torch.empty(gate2d.shape, dtype=gate2d.dtype, device=gate2d.device),
                torch.empty(up2d.shape, dtype=up2d.dtype, device=up2d.device))
+    product = (torch.empty(gate2d.shape, dtype=gate2d.dtype, device=gate2d.device),) if with_product else ()
     if gate2d.numel() == 0:
-        return out
-    views = (grad2d, gate2d, up2d) + tuple(out)
+        return (*out, *product)
+    views = (grad2d, gate2d, up2d) + tuple(out) + product
     if all(_dense(t) for t in views):
         views = tuple(_as_one_row(t) for t in views)
-    g_view, gate_view, up_view, dgate_view, dup_view = views
+    g_view, gate_view, up_view, dgate_view, dup_view = views[:5]
+    y_view = views[5] if with_product else dgate_view  # not written without the product
     n_rows, n_cols = g_view.shape
     cfg = config or default_config(n_rows, n_cols)
     row_tiles, col_blocks = cfg.grid_shape(n_rows, n_cols)
     with on_device(gate2d):
         launch(
             _glu_bwd_kernel, (row_tiles * col_blocks,),
-            g_view, gate_view, up_view, dgate_view, dup_view, n_rows, n_cols,
+            g_view, gate_view, up_view, dgate_view, dup_view, y_view, n_rows, n_cols,
             g_view.stride(0), gate_view.stride(0), up_view.stride(0), dgate_view.stride(0),
-            dup_view.stride(0), col_blocks,
+            dup_view.stride(0), y_view.stride(0), col_blocks,
             KIND=kind, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISE=not interpreter_enabled(),
-            num_warps=cfg.num_warps,
+            WRITE_PRODUCT=with_product, num_warps=cfg.num_warps,
         )
-    return out
+    return (*out, *product)

@@ -393,6 +393,8 @@ def gated_op_samples(device):
         yield "gated_activation", (t.detach().requires_grad_(), up, kind)
         yield "gated_activation_backward", (torch.randn(t.shape, device=device, requires_grad=True),
                                             t.detach().requires_grad_(), up, kind)
+        yield "gated_activation_backward_and_product", (torch.randn(t.shape, device=device), t.detach(),
+                                                        up.detach(), kind)
     packed = torch.randn(2, 3, 10, device=device, requires_grad=True)
     yield "gated_activation_packed", (packed, "silu")
     yield "gated_activation_packed", (strided, "gelu")
@@ -400,8 +402,8 @@ def gated_op_samples(device):
 
 
 ACTIVATION_OPS = {"activation", "activation_backward", "bias_activation_backward"}
-GATED_OPS = {"gated_activation", "gated_activation_backward", "gated_activation_packed",
-             "gated_activation_packed_backward"}
+GATED_OPS = {"gated_activation", "gated_activation_backward", "gated_activation_backward_and_product",
+             "gated_activation_packed", "gated_activation_packed_backward"}
 
 
 def run_opchecks(backend, samples):
@@ -416,6 +418,30 @@ def run_opchecks(backend, samples):
 @pytest.mark.parametrize("backend,device", backend_cases())
 def test_opcheck_activation_ops(backend, device):
     assert run_opchecks(backend, activation_op_samples(device, kinds_for(backend))) == ACTIVATION_OPS
+
+
+@pytest.mark.parametrize("backend,device", backend_cases(GATED_BACKENDS))
+def test_backward_and_product_is_the_backward_and_the_forward(backend, device):
+    # gated_activation_backward_and_product (gated_mlp's backward): the gradients of
+    # gated_activation_backward and act(gate) * up as gated_activation makes it, from one pass; silu
+    # and gelu_tanh form the product the forward's way (bit for bit), gelu rounds z * cdf once.
+    for dtype in (torch.float32, torch.bfloat16):
+        strided = torch.randn(5, 2 * 37, device=device, dtype=dtype)[:, ::2]
+        for gate, kind in ((torch.randn(3, 4, 37, device=device, dtype=dtype) * 3, "silu"),
+                           (strided, "gelu_tanh"), (torch.randn(2, 37, device=device, dtype=dtype), "gelu")):
+            up, grad = torch.randn_like(gate), torch.randn_like(gate)
+            with kf.use_backend(backend):
+                grad_gate, grad_up, product = torch.ops.kernelforge.gated_activation_backward_and_product(
+                    grad, gate, up, kind)
+                want_gate, want_up = torch.ops.kernelforge.gated_activation_backward(grad, gate, up, kind)
+                forward = torch.ops.kernelforge.gated_activation(gate, up, kind)
+            label = f"{backend} {dtype} {kind}"
+            assert torch.equal(grad_gate, want_gate) and torch.equal(grad_up, want_up), label
+            assert product.shape == forward.shape and product.dtype == dtype, label
+            if kind == "gelu":
+                torch.testing.assert_close(product, forward, msg=label)
+            else:
+                assert torch.equal(product, forward), label
 
 
 @pytest.mark.parametrize("backend,device", backend_cases(GATED_BACKENDS))

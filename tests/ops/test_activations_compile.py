@@ -12,7 +12,8 @@ from tests.conftest import HAS_CUDA, needs_cuda
 from tests.numerics import assert_compiled_matches_eager, same_layout
 from tests.op_paths import aot_graphs, assert_inductor_launches
 
-# every activation op there is (tests/ops/test_activations.py opchecks each)
+# every activation op the public functions call (tests/ops/test_activations.py opchecks each, and
+# gated_activation_backward_and_product, gated_mlp's, too)
 OPS = {"activation", "activation_backward", "bias_activation_backward", "gated_activation", "gated_activation_backward",
        "gated_activation_packed", "gated_activation_packed_backward"}
 
