@@ -12,6 +12,11 @@ and visibility is the AND of:
                 window align to L[b] instead of Sk (off = L[b] - Sq); read on the device,
                 clamped to [0, Sk]
 A row with no visible key gives zeros (not NaN) and log-sum-exp -inf; its gradient is zero.
+NaN and infinities follow torch's softmax: a NaN among a row's visible scores (a NaN in q, in a
+visible key's k, or in a float mask) or an infinite score (inf - inf) gives that row NaN out and
+lse, and NaN gradients; a NaN in v reaches every row that sees its key. (A NaN in the k or v of a
+hidden key is never read by the kernels' skipped tiles but may reach rows through a tile they
+compute, as with torch's SDPA backends, which differ there too.)
 
 Memory: the keys are walked in chunks with an online softmax (running max and rescaled
 sum), so the scores held at any time are Sq x chunk per (batch, head), never Sq x Sk: a
@@ -137,7 +142,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         row_sum = row_sum.mul_(rescale).add_(p.sum(-1))
         out = out.mul_(rescale.unsqueeze(-1)).add_(torch.matmul(p, vf[..., k0:k1, :]))
         row_max = new_max
-    seen = row_sum > 0
+    # row_sum is 0 exactly where a row saw no key; NaN (a NaN score, or inf - inf) is not 0 and
+    # reaches out and lse, as in torch's softmax
+    seen = row_sum != 0
     out = torch.where(seen.unsqueeze(-1), out / torch.where(seen, row_sum, 1.0).unsqueeze(-1), 0.0)
     lse = torch.where(seen, row_max + torch.log(torch.where(seen, row_sum, 1.0)), -math.inf)
     return out.reshape(B, H, Sq, -1).to(q.dtype), lse.reshape(B, H, Sq)

@@ -122,7 +122,7 @@ def decode_merge_kernel(O_PART, LSE_PART, O, LSE, rows, splits, sob, soh, som, H
     total = tl.sum(w, 0)
     parts = tl.load(O_PART + (offs_s[:, None].to(tl.int64) * rows + row) * HEAD_DIM_V + offs_dv[None, :],
                     mask=s_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
-    seen = total > 0
+    seen = total != 0  # NaN (a split's NaN) is seen: it reaches out and lse
     out = tl.sum(parts * w[:, None], 0) / tl.where(seen, total, 1.0)
     bh = row // Sq
     i = row % Sq

@@ -349,12 +349,12 @@ def forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE, COUNTS, BLOCKS, PARTIAL,
     # epilogue: out = acc / l (0 for a row that saw nothing), lse = (m + log2 l) * ln 2 or -inf;
     # O leaves through Q's buffer (every S MMA has completed)
     l_o = gl.convert_layout(l_i, o_rows)
-    seen = l_o > 0
+    seen = l_o != 0  # l = 0: no key seen; a NaN l (a NaN score) reaches out and lse
     out = gl.where(seen[:, None], acc / gl.where(seen, l_o, 1.0)[:, None], 0.0)
     q.store(out.to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [b, h, m0, 0], q_buf)
-    seen_s = l_i > 0
+    seen_s = l_i != 0
     lse = gl.where(seen_s, (m_i + gl.log2(gl.where(seen_s, l_i, 1.0))) * LN2, float("-inf"))
     gl.store(LSE + pid_bh.to(gl.int64) * Sq + rows, lse, mask=rows < Sq)
     tma.store_wait(0)

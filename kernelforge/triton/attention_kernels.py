@@ -14,7 +14,9 @@ Which keys a query sees (the band, the tails, attn_mask, the BlockMask bits) and
 tiles need masking: kernelforge/triton/attention_visibility.py.
 
 A row that sees no key keeps m = -inf; the `safe` max (0 in its place) keeps exp2 from
-producing NaN, and the epilogue writes out = 0, lse = -inf. The backward turns lse = -inf
+producing NaN, and the epilogue writes out = 0, lse = -inf. A NaN score (a NaN in q, k or a
+float mask, or an infinity that makes inf - inf) makes l NaN, and NaN reaches out and lse, as in
+torch's softmax: the epilogue tests l != 0, never l > 0. The backward turns lse = -inf
 into +inf so that P = exp2(s2 - lse2) = 0 on such rows: their gradients are exactly zero.
 """
 from __future__ import annotations
@@ -29,8 +31,8 @@ from kernelforge.triton.attention_visibility import (EDGE_AT_RUN_TIME, LN2, LOG2
 @triton.jit
 def _finish_rows(acc, m_i, l_i):
     """(out = acc / l, lse in log2 units = m + log2 l) of rows that saw keys; (0, -inf) for
-    rows that saw none."""
-    seen = l_i > 0
+    rows that saw none (l = 0). A NaN l (a NaN score, or inf - inf) is "seen": NaN out and lse."""
+    seen = l_i != 0
     l_safe = tl.where(seen, l_i, 1.0)
     out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
     return out, tl.where(seen, m_i + tl.math.log2(l_safe), float("-inf"))

@@ -1,7 +1,7 @@
 """flash_attention: every backend against the float64 oracle (output, lse, dQ, dK, dV) over
 the option combinations (causal, window, bool / additive masks, grouped heads, Sq != Sk,
 head dims, odd lengths), fully masked rows, strided inputs, the registered ops (opcheck),
-torch.compile, determinism, and bad input. Block masks: tests/ops/test_block_mask.py."""
+torch.compile, determinism, NaN and infinities as torch's SDPA, and bad input. Block masks: tests/ops/test_block_mask.py."""
 import math
 
 import pytest
@@ -184,6 +184,65 @@ def test_fully_masked_rows_give_zeros_and_zero_gradients(backend, device):
     assert torch.all(lse[:, :, :10] == -math.inf) and lse[:, :, 10:].isfinite().all()
     assert not q.grad.isnan().any() and torch.all(q.grad[:, :, :10] == 0)
     assert not k.grad.isnan().any() and not v.grad.isnan().any()
+
+
+def _sdpa_in_float64(q, k, v, mask):
+    """torch's SDPA (the math backend: float64 on the CPU) of float64 CPU q, k, v, with the kv heads
+    repeated for the group."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(group, 1) for t in (k, v))
+    mask = None if mask is None else mask.double().cpu()
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+# (where the special value goes, what) over q (B, H, Sq, D), k / v (B, Hkv, Sk, D), an additive mask
+# (Sq, Sk): a NaN in q's row 3, in key 7 (hidden from no row), in a float mask's (2, 4); +inf in q
+# (row 5: scores of both signs, inf - inf); -inf in a key (NaN for rows whose q has the other sign)
+SPECIAL_VALUES = [("q", (0, 0, 3, 5), math.nan), ("k", (0, 0, 7, 1), math.nan), ("v", (0, 0, 7, 2), math.nan),
+                  ("mask", (2, 4), math.nan), ("q", (0, 1, 5, 0), math.inf), ("k", (0, 0, 9, 0), -math.inf)]
+
+
+@pytest.mark.parametrize("backend,device", backend_cases())
+@pytest.mark.parametrize("shape", [(2, 1, 37, 45, 32), (2, 2, 200, 200, 64), (4, 2, 1, 600, 64)],
+                         ids=["gqa", "d64", "decode"])
+def test_nan_and_inf_propagate_as_in_sdpa(backend, device, shape):
+    # A NaN or infinity must show in the rows torch's SDPA gives NaN (a training run that goes NaN
+    # shows NaN, not a silently zeroed head), and leave the other rows as they were; the gradients
+    # NaN where SDPA's are. Shapes: the query-tiled kernels (grouped heads), head dim 64 (Gluon on
+    # Hopper), one query over 600 keys (the split-key decode kernels and their merge on a GPU).
+    H, Hkv, Sq, Sk, D = shape
+    dtype = torch.float16 if backend == "cuda" or device == "cuda" else torch.float32
+    backward = backend != "cuda"  # the CUDA extension is forward-only
+    for where, index, value in SPECIAL_VALUES:
+        if where == "mask" and backend == "cuda":
+            continue  # the CUDA kernels take no attn_mask
+        row = {"q": 2, "mask": 0}.get(where)
+        if row is not None:  # the last query row where Sq is shorter (decode)
+            index = index[:row] + (min(index[row], Sq - 1),) + index[row + 1:]
+        q = torch.randn(1, H, Sq, D, device=device, dtype=dtype)
+        k, v = (torch.randn(1, Hkv, Sk, D, device=device, dtype=dtype) for _ in range(2))
+        mask = torch.randn(Sq, Sk, device=device, dtype=dtype) if where == "mask" else None
+        target = {"q": q, "k": k, "v": v, "mask": mask}[where]
+        target[index] = value
+        leaves = [t.requires_grad_(backward) for t in (q, k, v)]
+        with kf.use_backend(backend):
+            out, lse = kf.flash_attention(*leaves, attn_mask=mask, return_lse=True)
+        what = f"{backend} {dtype} {shape} {value} in {where}{index}"
+        exact = [t.detach().double().cpu().requires_grad_(backward) for t in (q, k, v)]
+        want = _sdpa_in_float64(*exact, mask)
+        nan_rows = want.isnan().any(-1)
+        assert nan_rows.any(), what  # every case makes some row NaN
+        assert torch.equal(out.isnan().any(-1).cpu(), nan_rows), what
+        # lse is the scores' alone: NaN in the rows a NaN score reaches, finite under a NaN in v
+        assert torch.equal(lse.isnan().cpu(), nan_rows & (where != "v")), what
+        assert lse.isfinite().cpu()[~lse.isnan().cpu()].all(), what
+        torch.testing.assert_close(out.cpu()[~nan_rows].double(), want[~nan_rows], atol=2e-2, rtol=2e-2, msg=what)
+        if backward:
+            grad = torch.randn_like(out)
+            got = torch.autograd.grad(out, leaves, grad)
+            expected = torch.autograd.grad(want, exact, grad.double().cpu())
+            for name, g, e in zip("qkv", got, expected):
+                assert torch.equal(g.isnan().cpu(), e.isnan()), f"{what}: d{name}'s NaN pattern"
 
 
 def test_cpu_functions_match_sdpa():

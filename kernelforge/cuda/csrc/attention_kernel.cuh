@@ -332,7 +332,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocks) flash_fwd_ke
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float sum = quad_sum(row_sum[mt][r]);
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const float inv = sum != 0.f ? 1.f / sum : 0.f;  // 0: no key seen; NaN (a NaN score) stays NaN
       const int row = 16 * mt + g + 8 * r;  // within the warp's rows
 #pragma unroll
       for (int dt = 0; dt < kDimTiles; ++dt) {
@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocks) flash_fwd_ke
       }
       if (t == 0 && warp_row + row < q_len) {
         p.lse[head_row * q_len + warp_row + row] =
-            sum > 0.f ? fmaf(row_max[mt][r], p.scale_log2, log2f(sum)) * 0.6931471805599453f : kNegInf;
+            sum != 0.f ? fmaf(row_max[mt][r], p.scale_log2, log2f(sum)) * 0.6931471805599453f : kNegInf;
       }
     }
   }
