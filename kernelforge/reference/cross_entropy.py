@@ -40,6 +40,14 @@ def _capped(x: torch.Tensor, softcap: float):
     return softcap * t, t
 
 
+def _log_sum_exp(x: torch.Tensor) -> torch.Tensor:
+    """log(sum_c exp(x_c)) per row as torch's log_softmax takes it (max + log(sum(exp(x - max))):
+    a +inf logit gives NaN (inf - inf), as torch's cross-entropy and the kernels give, where
+    torch.logsumexp returns +inf and the loss would be a finite-looking inf."""
+    top = x.amax(dim=1, keepdim=True)
+    return (top + torch.log(torch.exp(x - top).sum(dim=1, keepdim=True)))[:, 0]
+
+
 # Row launchers: the interface every backend of the cross_entropy op implements. logits2d is
 # (rows, classes) with unit column stride, target (rows,) int32/int64. softcap c > 0: the loss
 # is of c * tanh(logits / c) (Gemma 2's logit softcapping); z_loss: z_loss * lse^2 is added to
@@ -50,7 +58,7 @@ def cross_entropy_forward_rows(logits2d: torch.Tensor, target: torch.Tensor, ign
     """(per-row loss, per-row lse), both (rows,) in the accumulation dtype."""
     x, _ = _capped(logits2d.to(_accumulation_dtype(logits2d.dtype)), softcap)
     n_classes = x.shape[1]
-    lse = torch.logsumexp(x, dim=1)
+    lse = _log_sum_exp(x)
     ignored, bad, safe = target_masks(target, n_classes, ignore_index)
     loss = lse - x.gather(1, safe[:, None])[:, 0]
     if label_smoothing:
