@@ -39,6 +39,15 @@ def gather_scatter_in_torch(reduce):
     return f
 
 
+def convrnn_in_torch(x, kernel, hidden):
+    """The recurrence step by step: h_t = tanh(x_t + conv1d(h_{t-1}, kernel, padding=K // 2))."""
+    h, steps = hidden, []
+    for t in range(x.shape[1]):
+        h = torch.tanh(x[:, t] + F.conv1d(h.unsqueeze(1), kernel, padding=kernel.shape[-1] // 2).squeeze(1))
+        steps.append(h)
+    return torch.stack(steps, 1)
+
+
 def cases(spots):
     """(name, backends with a kernel for it, inputs, indices of the differentiable ones, kernelforge's
     call, torch's equivalent)."""
@@ -84,6 +93,10 @@ def cases(spots):
     for reduce in ("sum", "mean"):
         yield (f"gather_scatter {reduce}", no_cuda, [x, src, dst], (0,),
                lambda x, s, d, r=reduce: kf.gather_scatter(x, s, d, 4, r), gather_scatter_in_torch(reduce))
+    sequence = torch.randn(4, 3, C)
+    sequence[:, 1] = x  # the special values at the second of three steps
+    yield ("convrnn", everywhere, [sequence, torch.randn(1, 1, 3) * 0.3, torch.randn(4, C)], (0, 1, 2),
+           lambda x, k, h: kf.convrnn(x, k, h)[0], convrnn_in_torch)
     yield ("rope", no_cuda, [q, torch.randn(1, 1, 4, 8), cos, sin], (0,),
            lambda q, k, c, s: kf.rope(q, k, c, s)[0], lambda q, k, c, s: q * c + rotate_half(q) * s)
 
