@@ -13,6 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernelforge.triton.masks import block_and_scalar
+
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 # A value of the MASKED parameter: a short band walked as one pipelined loop, whose first and
@@ -53,7 +55,7 @@ def _masked_scores(s, i, j, Sq, Sk, off, LEFT, RIGHT, mask_base, smm, smn, bits_
             ok = ok & (tl.load(mask_base + i * smm + j * smn, mask=inside, other=0) != 0)
         if BLOCK_SPARSE:
             bits = tl.load(bits_base + partial_id * (MB_Q * MB_K) + (i % MB_Q) * MB_K + (j % MB_K),
-                           mask=inside & (partial_id >= 0), other=1)
+                           mask=block_and_scalar(inside, partial_id >= 0), other=1)
             ok = ok & (bits != 0)
         s = tl.where(ok, s, float("-inf"))
     elif MASK_KIND == 1:

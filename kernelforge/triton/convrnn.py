@@ -26,6 +26,7 @@ from triton.language.extra import libdevice
 
 from kernelforge.triton import interpreter_enabled
 from kernelforge.triton._launch import launch, next_power_of_2, on_device
+from kernelforge.triton.masks import block_and_scalar
 
 # One program holds a batch row: its (taps rounded up to a power of two) x (features rounded up)
 # tap tile, float32, across at most 16 warps: 64 values a thread at most. Three taps: up to
@@ -93,10 +94,10 @@ def convrnn_forward_kernel(X, W, H0, OUT, HT, WORK, sxb, sxt, shb, T, F,
     tl.debug_barrier()
     x_row = X + b.to(tl.int64) * sxb
     out_row = OUT + b.to(tl.int64) * T * F
-    x_next = tl.load(x_row + f, mask=inside & (T > 0), other=0.0).to(tl.float32)
+    x_next = tl.load(x_row + f, mask=block_and_scalar(inside, T > 0), other=0.0).to(tl.float32)
     for t in range(T):
         x_t = x_next
-        x_next = tl.load(x_row + (t + 1) * sxt + f, mask=inside & (t + 1 < T), other=0.0).to(tl.float32)
+        x_next = tl.load(x_row + (t + 1) * sxt + f, mask=block_and_scalar(inside, t + 1 < T), other=0.0).to(tl.float32)
         prev = _taps(work + (t % 2) * BLOCK_F, f, F, PAD, BLOCK_K, KSIZE, 1)
         h = _tanh(x_t + tl.sum(w[:, None] * prev, 0), PRECISE)
         tl.store(out_row + t * F + f, h.to(OUT.dtype.element_ty), mask=inside)

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from kernelforge.triton import interpreter_enabled
 from kernelforge.triton._launch import launch, next_power_of_2, on_device
+from kernelforge.triton.masks import block_and_scalar
 from kernelforge.triton.softmax import LOG2E, _log
 
 # Elements of a row one step of the walk holds at most (16 KB of bf16): 8192 measured no faster.
@@ -126,7 +127,8 @@ def cross_entropy_backward_kernel(
         idx = start + cols
         mask = idx < width
         # an ignored row reads nothing: exp2(-inf) = 0 and its scale is 0
-        x = tl.load(base + idx, mask=mask & ~ignored, other=float("-inf"), eviction_policy="evict_first")
+        x = tl.load(base + idx, mask=block_and_scalar(mask, ~ignored), other=float("-inf"),
+                    eviction_policy="evict_first")
         x = x.to(tl.float32)
         if SOFTCAP:
             x, t = _capped(x, softcap)

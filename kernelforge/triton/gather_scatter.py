@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from kernelforge.triton._launch import cdiv, launch, next_power_of_2, on_device
+from kernelforge.triton.masks import block_and_scalar
 
 # CUDA caps a grid's second dimension at 65535: wider feature ranges loop over feature blocks.
 MAX_GRID_Y = 65535
@@ -89,7 +90,8 @@ def _gather_scatter_kernel(
     g = tl.load(gather_ptr + edges, mask=e_mask, other=0).to(tl.int64)
     s = tl.load(scatter_ptr + edges, mask=e_mask, other=0).to(tl.int64)
     if COUNT:  # once per edge: by the programs of feature block 0 only
-        tl.atomic_add(deg_ptr + s, tl.full([BLOCK_E], 1.0, tl.float32), mask=e_mask & (tl.program_id(1) == 0),
+        tl.atomic_add(deg_ptr + s, tl.full([BLOCK_E], 1.0, tl.float32),
+                      mask=block_and_scalar(e_mask, tl.program_id(1) == 0),
                       sem="relaxed")
     if SCALE:
         inv_deg = 1.0 / tl.maximum(tl.load(deg_ptr + g, mask=e_mask, other=1.0), 1.0)

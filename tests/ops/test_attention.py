@@ -197,7 +197,8 @@ def _sdpa_in_float64(q, k, v, mask):
 
 # (where the special value goes, what) over q (B, H, Sq, D), k / v (B, Hkv, Sk, D), an additive mask
 # (Sq, Sk): a NaN in q's row 3, in key 7 (hidden from no row), in a float mask's (2, 4); +inf in q
-# (row 5: scores of both signs, inf - inf); -inf in a key (NaN for rows whose q has the other sign)
+# (row 5: scores of both signs, inf - inf); -inf in a key (NaN for rows whose q has the other sign:
+# head 0's are made negative there, so some row is NaN whatever the draw)
 SPECIAL_VALUES = [("q", (0, 0, 3, 5), math.nan), ("k", (0, 0, 7, 1), math.nan), ("v", (0, 0, 7, 2), math.nan),
                   ("mask", (2, 4), math.nan), ("q", (0, 1, 5, 0), math.inf), ("k", (0, 0, 9, 0), -math.inf)]
 
@@ -224,6 +225,8 @@ def test_nan_and_inf_propagate_as_in_sdpa(backend, device, shape):
         mask = torch.randn(Sq, Sk, device=device, dtype=dtype) if where == "mask" else None
         target = {"q": q, "k": k, "v": v, "mask": mask}[where]
         target[index] = value
+        if where == "k" and value == -math.inf:  # head 0's queries negative there: a +inf score each
+            q[0, 0, :, index[3]] = -q[0, 0, :, index[3]].abs() - 0.1
         leaves = [t.requires_grad_(backward) for t in (q, k, v)]
         with kf.use_backend(backend):
             out, lse = kf.flash_attention(*leaves, attn_mask=mask, return_lse=True)
