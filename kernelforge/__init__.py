@@ -8,7 +8,14 @@
         y = kf.log_softmax(x)
     print(kf.explain("softmax", x))
 """
-from kernelforge import nn, ops  # noqa: F401  (ops registers the torch.library operators)
+import torch as _torch
+
+from kernelforge._versions import torch_problem as _torch_problem
+
+if _torch_problem(_torch.__version__):  # before anything registers an op against an older torch
+    raise ImportError(_torch_problem(_torch.__version__))
+
+from kernelforge import nn, ops  # noqa: E402, F401  (ops registers the torch.library operators)
 from kernelforge.backends import BackendUnsupportedError, explain, prefer_backend, use_backend
 from kernelforge.block_mask import BlockMask, dilated_block_mask, local_global_block_mask, sliding_window_block_mask
 from kernelforge.ops.activations import bias_gelu, bias_silu, gelu, relu, silu
