@@ -268,8 +268,10 @@ def _glu_bwd_kernel(
     dgate = (g * b * dact).to(dgate_ptr.dtype.element_ty)
     tl.store(dgate_ptr + rows[:, None] * dgate_row_stride + cols[None, :], dgate, mask=mask)
     tl.store(dup_ptr + rows[:, None] * dup_row_stride + cols[None, :], (g * act).to(dup_ptr.dtype.element_ty), mask=mask)
-    if WRITE_PRODUCT:  # act(gate) * up as _glu_fwd_kernel makes it (the same float32 product, one rounding)
-        tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :], (act * b).to(y_ptr.dtype.element_ty), mask=mask)
+    if WRITE_PRODUCT:  # act(gate) * up, rounded once: silu's and gelu_tanh's bit for bit _glu_fwd_kernel's
+        # (gelu's act is z * cdf here, 0.5 z (1 + erf) there: the float32 product may differ in its last bit)
+        y = (act * b).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :], y, mask=mask)
 
 
 # ----------------------------------------------------------------------------- launch configs

@@ -1,7 +1,8 @@
 """flash_attention: every backend against the float64 oracle (output, lse, dQ, dK, dV) over
 the option combinations (causal, window, bool / additive masks, grouped heads, Sq != Sk,
 head dims, odd lengths), fully masked rows, strided inputs, the registered ops (opcheck),
-torch.compile, determinism, NaN and infinities as torch's SDPA, and bad input. Block masks: tests/ops/test_block_mask.py."""
+torch.compile, determinism, NaN and infinities as torch's SDPA, and bad input. Block masks:
+tests/ops/test_block_mask.py."""
 import math
 
 import pytest
