@@ -32,8 +32,6 @@ import time
 
 import torch
 
-from benchmarks.timeline_gaps import idle_report
-
 # (transformers config class, model class, Liger's patch, the config at --size 1b, tiny's changes)
 MODELS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", "apply_liger_kernel_to_llama",
@@ -126,6 +124,8 @@ def _profile(step, variant: str, directory: str) -> None:
     import os
 
     from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.timeline_gaps import idle_report  # run from the repository root: PYTHONPATH=.
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(2):
