@@ -371,8 +371,9 @@ def _weight_grad(a, dz, b, compute, dtype):
     gradient, on every step."""
     if b.dim() == 2:
         K, N = a.shape[-1], dz.shape[-1]
-        a_rows = a.reshape(-1, K)  # a's batch is dz's: b has none
-        dz_rows = dz.reshape(-1, N)
+        rows = dz.numel() // N if N else a.numel() // K if K else 0  # not -1: K or N may be 0
+        a_rows = a.reshape(rows, K)  # a's batch is dz's: b has none
+        dz_rows = dz.reshape(rows, N)
         if b.stride(0) == 1 and b.stride(1) != 1 and K > 1:  # b = W.t(): compute W's gradient (N, K)
             return _matmul(dz_rows.t(), a_rows, compute, dtype).t()
         return _matmul(a_rows.t(), dz_rows, compute, dtype)

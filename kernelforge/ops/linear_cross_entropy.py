@@ -207,12 +207,13 @@ def _backward(grad_loss, x, weight, target, bias, lse, ignore_index: int, label_
     acc = accumulation_dtype(x.dtype)
     vocab = weight.shape[0]
     row_block, class_block = backward_blocks(x.shape[0], vocab, chunk_rows)
-    one_block = row_block >= x.shape[0]  # grad_W written once a slice, else summed over row blocks
+    # grad_W written once a slice, else summed over row blocks (from zeros: no rows, no terms)
+    one_block = 0 < x.shape[0] <= row_block
     grad_weight = torch.empty_like(weight) if one_block else torch.zeros(weight.shape, dtype=acc, device=x.device)
     grad_bias = torch.zeros(vocab if bias is not None else 0, dtype=acc, device=x.device)
     grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     target, lse = target.contiguous(), lse.contiguous()
-    for start in range(0, x.shape[0], row_block):
+    for start in range(0, x.shape[0], max(row_block, 1)):
         rows = slice(start, min(start + row_block, x.shape[0]))
         x_b = x[rows]
         grad_x_b = None  # float32 sum over the vocabulary's slices

@@ -101,7 +101,9 @@ def _check(q, k, cos, sin, position_ids, unsqueeze_dim) -> int:
 def _angles(cos, sin, position_ids):
     """cos, sin as the launchers take them ((Bc, S, rot), or the tables) and position_ids as (Bp, S)."""
     if position_ids is not None:
-        return cos, sin, position_ids.view(-1, position_ids.shape[-1])
+        # (Bp, S) with Bp written out: view(-1, 0) cannot infer it for no tokens
+        return cos, sin, position_ids.view(1 if position_ids.dim() == 1 else position_ids.shape[0],
+                                           position_ids.shape[-1])
     if cos.dim() == 2:
         return cos.unsqueeze(0), sin.unsqueeze(0), None
     return cos, sin, None

@@ -43,7 +43,7 @@ def convrnn_backward(grad_out: torch.Tensor, grad_h: torch.Tensor, kernel: torch
     acc = _state_dtype(out.dtype)
     w = kernel.to(acc).reshape(1, 1, -1)
     pad = w.shape[-1] // 2
-    T = out.shape[1] if out.shape[2] else 0  # no features: no terms (dx empty, dkernel 0)
+    T = out.shape[1] if out.shape[0] and out.shape[2] else 0  # no rows or features: no terms (dkernel 0)
     dx = torch.empty(out.shape, dtype=out.dtype, device=out.device)
     dw = torch.zeros(w.shape[-1], dtype=acc, device=out.device)
     g = grad_h.to(acc, copy=True)
