@@ -22,6 +22,12 @@ def torch_loss(x, weight, target, bias=None, ignore_index=-100, reduction="mean"
     """The unfused head and loss: logits at the inputs' dtype, the loss in float32 (float64 for
     float64), softcap and z-loss written out."""
     logits = x @ weight.t() if bias is None else x @ weight.t() + bias
+    return loss_of_logits(logits, target, ignore_index, reduction, label_smoothing, softcap, z_loss)
+
+
+def loss_of_logits(logits, target, ignore_index=-100, reduction="mean", label_smoothing=0.0, softcap=None,
+                   z_loss=0.0):
+    """torch_loss after the head: float32 (float64 for float64) from the logits in their dtype."""
     logits = logits.double() if logits.dtype == torch.float64 else logits.float()
     if softcap:
         logits = softcap * torch.tanh(logits / softcap)
