@@ -232,3 +232,15 @@ def reconcile_special(ours: torch.Tensor, yardstick: torch.Tensor, oracle: torch
     oracle = oracle.masked_fill(dtype_nan, float("nan"))
     yardstick = torch.where(yardstick.isnan() & ~oracle.isnan(), oracle.to(yardstick.dtype), yardstick)
     return yardstick, oracle
+
+
+def three_gradients(backend: str, mine, theirs, exact_out, grad, mine_in, theirs_in, exact_in):
+    """The gradients of kernelforge's output (on `backend`), torch's same-dtype output (the
+    yardstick) and the float64 oracle's, for one incoming gradient `grad`."""
+    import kernelforge as kf
+
+    with kf.use_backend(backend):
+        got = torch.autograd.grad(mine, mine_in, grad)
+    base = torch.autograd.grad(theirs, theirs_in, grad)
+    want = torch.autograd.grad(exact_out, exact_in, grad.double())
+    return got, base, want

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import kernelforge as kf
 from tests.fuzz.strategies import (
     BACKENDS, Layout, Maker, reconcile_special, dtypes_for, exact, fuzz, layouts, leaf, seeds, shapes)
+from tests.fuzz.strategies import three_gradients
 from tests.numerics import assert_matches_oracle
 
 pytestmark = pytest.mark.fuzz
@@ -90,10 +91,7 @@ def check(backend, case: Case):
         # tests result <= 0), kernelforge gives 0 (reported: a special value left to tests/ops)
         return
     g = make.randn(x.shape, x.dtype)
-    with kf.use_backend(backend):
-        got = torch.autograd.grad(y, mine, g)
-    base = torch.autograd.grad(y_theirs, theirs, g)
-    want = torch.autograd.grad(y64, exact_in, g.double())
+    got, base, want = three_gradients(backend, y, y_theirs, y64, g, mine, theirs, exact_in)
     rows = x.numel() // max(1, x.shape[-1]) if x.dim() else 1
     assert_matches_oracle(got[0], *reconcile_special(got[0], base[0], want[0]), f"{what} grad x")
     if case.bias:

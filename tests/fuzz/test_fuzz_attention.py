@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import kernelforge as kf
 from tests.attention_oracle import kv_cache_attention, naive_attention, probabilities
 from tests.fuzz.strategies import BACKENDS, Layout, Maker, dtypes_for, exact, fuzz, layouts, leaf, seeds, sizes
+from tests.fuzz.strategies import three_gradients
 from tests.numerics import assert_matches_oracle
 
 pytestmark = pytest.mark.fuzz
@@ -145,10 +146,7 @@ def check(backend, case: Case):
     check_lse(lse, lse_exact.detach(), case, what)
     if out.numel() == 0:
         return
-    with kf.use_backend(backend):
-        got = torch.autograd.grad(out, mine, grad)
-    base = torch.autograd.grad(out_theirs, theirs, grad)
-    want = torch.autograd.grad(out_exact, exact_in, grad.double())
+    got, base, want = three_gradients(backend, out, out_theirs, out_exact, grad, mine, theirs, exact_in)
     group = case.H // case.Hkv
     for name, a, b, c, n in zip(("dq", "dk", "dv"), got, base, want, (case.Sk, case.Sq * group, case.Sq * group)):
         assert a.shape == c.shape and a.dtype == case.dtype, f"{what} {name}"

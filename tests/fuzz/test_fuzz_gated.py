@@ -18,6 +18,7 @@ import kernelforge as kf
 from tests.fuzz.strategies import (
     BACKENDS, REFERENCE_DTYPES, Layout, Maker, reconcile_special, dtypes_for, exact, fuzz, layouts, leaf,
     seeds, shapes, sizes)
+from tests.fuzz.strategies import three_gradients
 from tests.numerics import assert_matches_oracle
 
 pytestmark = pytest.mark.fuzz
@@ -82,10 +83,7 @@ def check_glu(backend, case: GluCase):
     if y.numel() == 0:
         return
     g = make.randn(y.shape, y.dtype)
-    with kf.use_backend(backend):
-        got = torch.autograd.grad(y, mine, g)
-    base = torch.autograd.grad(y_theirs, theirs, g)
-    want = torch.autograd.grad(y64, exact_in, g.double())
+    got, base, want = three_gradients(backend, y, y_theirs, y64, g, mine, theirs, exact_in)
     for name, a, b, c, t in zip(("gate", "up"), got, base, want, inputs):
         assert a.shape == t.shape and a.dtype == t.dtype
         assert_matches_oracle(a, *reconcile_special(a, b, c), f"{what} grad {name}")
@@ -172,10 +170,7 @@ def check_mlp(backend, case: MlpCase):
                           terms_scale=terms["out"])
     if y.numel() == 0:
         return
-    with kf.use_backend(backend):
-        got = torch.autograd.grad(y, mine, g)
-    base = torch.autograd.grad(yard, same, g)
-    want = torch.autograd.grad(oracle, exact_in, g.double())
+    got, base, want = three_gradients(backend, y, yard, oracle, g, mine, same, exact_in)
     reduced = {"x": max(case.inner, case.out), "gate_weight": rows * case.out, "up_weight": rows * case.out,
                "down_weight": rows}
     for name, a, b, c in zip(("x", "gate_weight", "up_weight", "down_weight"), got, base, want):
