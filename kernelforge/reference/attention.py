@@ -14,9 +14,10 @@ and visibility is the AND of:
 A row with no visible key gives zeros (not NaN) and log-sum-exp -inf; its gradient is zero.
 NaN and infinities follow torch's softmax: a NaN among a row's visible scores (a NaN in q, in a
 visible key's k, or in a float mask) or an infinite score (inf - inf) gives that row NaN out and
-lse, and NaN gradients; a NaN in v reaches every row that sees its key. (A NaN in the k or v of a
-hidden key is never read by the kernels' skipped tiles but may reach rows through a tile they
-compute, as with torch's SDPA backends, which differ there too.)
+lse, and NaN gradients; a NaN in v reaches every row that sees its key. A hidden key's score is
+replaced by -inf, so a NaN in its k reaches no row's output; a NaN in its v (or its k, in dq) meets
+a zero weight inside a chunk's matrix product and makes the chunk's rows NaN, as in torch's math
+SDPA (docs/special_values.md).
 
 Memory: the keys are walked in chunks with an online softmax (running max and rescaled
 sum), so the scores held at any time are Sq x chunk per (batch, head), never Sq x Sk: a
@@ -69,12 +70,15 @@ def _grouped(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return t.reshape(B, kv_heads, H // kv_heads, S, X)
 
 
-def _chunk_bias(vis: Visibility, B: int, H: int, kv_heads: int, Sq: int, Sk: int, k0: int, k1: int,
-                device, acc) -> Optional[torch.Tensor]:
-    """Additive bias for keys [k0, k1): 0 where visible, -inf where hidden, plus a float
-    attn_mask; shaped to broadcast against grouped scores (B, Hkv, G, Sq, k1 - k0).
-    None when every key of the chunk is visible to every query."""
-    bias = None
+def _chunk_masks(vis: Visibility, B: int, H: int, kv_heads: int, Sq: int, Sk: int, k0: int, k1: int,
+                 device, acc) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(hidden, additive) for keys [k0, k1), each None when it has nothing to say, shaped to
+    broadcast against grouped scores (B, Hkv, G, Sq, k1 - k0): hidden (bool) is True where causal,
+    the window, a bool attn_mask, a block mask or a KV cache's length hide the key; additive is a
+    float attn_mask. Hidden scores are replaced by -inf, not offset by it: a NaN or inf score of a
+    hidden key (a NaN in its k) must not reach the row (NaN + -inf is NaN), as in torch's SDPA. A
+    float mask adds, as in torch: its -inf hides, its NaN poisons the row."""
+    hidden = additive = None
     if vis.seqlens is not None:  # per batch: the filled length and the band aligned to it, (B, 1, Sq, C)
         length = vis.seqlens.clamp(0, Sk).view(B, 1, 1, 1)
         i = torch.arange(Sq, device=device).view(1, 1, -1, 1) + (length - Sq)
@@ -84,7 +88,7 @@ def _chunk_bias(vis: Visibility, B: int, H: int, kv_heads: int, Sq: int, Sk: int
             seen = seen & (j >= i - vis.left)
         if vis.right is not None:
             seen = seen & (j <= i + vis.right)
-        bias = torch.zeros(seen.shape, dtype=acc, device=device).masked_fill_(~seen, -math.inf)
+        hidden = ~seen
     elif vis.has_band:
         i = torch.arange(Sq, device=device).view(-1, 1) + (Sk - Sq)
         j = torch.arange(k0, k1, device=device).view(1, -1)
@@ -93,24 +97,33 @@ def _chunk_bias(vis: Visibility, B: int, H: int, kv_heads: int, Sq: int, Sk: int
             seen &= j >= i - vis.left
         if vis.right is not None:
             seen &= j <= i + vis.right
-        bias = torch.zeros(Sq, k1 - k0, dtype=acc, device=device).masked_fill_(~seen, -math.inf)
+        hidden = ~seen
     for mask in (vis.attn_mask, None if vis.block_mask is None else vis.block_mask.element_mask(0, Sq, k0, k1)):
         if mask is None:
             continue
         m = mask[..., k0:k1] if mask is vis.attn_mask else mask
         if m.dtype == torch.bool:
-            m = torch.zeros(m.shape, dtype=acc, device=device).masked_fill_(~m, -math.inf)
+            hidden = ~m if hidden is None else hidden | ~m
         else:
-            m = m.to(acc)
-        bias = m if bias is None else bias + m
-    if bias is None:
-        return None
-    while bias.dim() < 4:
-        bias = bias.unsqueeze(0)
-    bias = bias.expand(B, H, Sq, k1 - k0) if bias.shape[1] != 1 else bias.expand(B, 1, Sq, k1 - k0)
-    if bias.shape[1] == 1:
-        return bias.unsqueeze(2)  # (B, 1, 1, Sq, C): broadcasts over kv heads and groups
-    return bias.reshape(B, kv_heads, H // kv_heads, Sq, k1 - k0)
+            additive = m.to(acc)
+    return tuple(None if t is None else _grouped_mask(t, B, H, kv_heads, Sq, k1 - k0) for t in (hidden, additive))
+
+
+def _grouped_mask(mask: torch.Tensor, B: int, H: int, kv_heads: int, Sq: int, C: int) -> torch.Tensor:
+    """A mask broadcastable to (B, H, Sq, C) viewed against grouped scores (B, Hkv, G, Sq, C)."""
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    if mask.shape[1] == 1:
+        return mask.expand(B, 1, Sq, C).unsqueeze(2)  # (B, 1, 1, Sq, C): broadcasts over kv heads and groups
+    return mask.expand(B, H, Sq, C).reshape(B, kv_heads, H // kv_heads, Sq, C)
+
+
+def _masked_scores(s: torch.Tensor, hidden: Optional[torch.Tensor], additive: Optional[torch.Tensor]) -> torch.Tensor:
+    if additive is not None:
+        s = s.add_(additive)
+    if hidden is not None:
+        s = s.masked_fill_(hidden, -math.inf)
+    return s
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, vis: Visibility,
@@ -132,9 +145,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     for k0 in range(0, Sk, chunk_size):
         k1 = min(Sk, k0 + chunk_size)
         s = torch.matmul(qg, kf[..., k0:k1, :].transpose(-1, -2)).mul_(scale)
-        bias = _chunk_bias(vis, B, H, Hkv, Sq, Sk, k0, k1, q.device, acc)
-        if bias is not None:
-            s = s.add_(bias)
+        s = _masked_scores(s, *_chunk_masks(vis, B, H, Hkv, Sq, Sk, k0, k1, q.device, acc))
         new_max = torch.maximum(row_max, s.amax(-1))
         safe_max = torch.where(new_max == -math.inf, 0.0, new_max)  # a row hidden so far stays 0
         p = torch.exp(s.sub_(safe_max.unsqueeze(-1)))
@@ -172,9 +183,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         k1 = min(Sk, k0 + chunk_size)
         kc, vc = kf[..., k0:k1, :], vf[..., k0:k1, :]
         s = torch.matmul(qg, kc.transpose(-1, -2)).mul_(scale)
-        bias = _chunk_bias(vis, B, H, Hkv, Sq, Sk, k0, k1, q.device, acc)
-        if bias is not None:
-            s = s.add_(bias)
+        s = _masked_scores(s, *_chunk_masks(vis, B, H, Hkv, Sq, Sk, k0, k1, q.device, acc))
         p = torch.exp(s.sub_(lse_g))  # (B, Hkv, G, Sq, C)
         dv[:, :, k0:k1] = torch.matmul(p.transpose(-1, -2), dog).sum(2)
         ds = p.mul_(torch.matmul(dog, vc.transpose(-1, -2)).sub_(delta))
