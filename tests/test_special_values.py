@@ -67,10 +67,10 @@ def cases(spots):
            lambda x, w: F.rms_norm(x, (C,), w, eps=1e-6))
     yield ("add_rms_norm", everywhere, [x, other, w], (0, 1, 2), lambda x, r, w: kf.add_rms_norm(x, r, w, eps=1e-6)[0],
            lambda x, r, w: F.rms_norm(x + r, (C,), w, eps=1e-6))
-    for name, torch_act in (("gelu", F.gelu), ("silu", F.silu), ("relu", F.relu)):
-        yield name, everywhere, [x], (0,), getattr(kf, name), torch_act
+    for name, torch_act in (("gelu", F.gelu), ("silu", F.silu), ("relu", F.relu)):  # CUDA kernels: gelu's only
+        yield name, everywhere if name == "gelu" else no_cuda, [x], (0,), getattr(kf, name), torch_act
     yield "gelu tanh", everywhere, [x], (0,), lambda x: kf.gelu(x, "tanh"), lambda x: F.gelu(x, approximate="tanh")
-    yield "bias_silu", everywhere, [x, b], (0, 1), kf.bias_silu, lambda x, b: F.silu(x + b)
+    yield "bias_silu", no_cuda, [x, b], (0, 1), kf.bias_silu, lambda x, b: F.silu(x + b)
     yield "swiglu (gate)", no_cuda, [x, other], (0, 1), kf.swiglu, lambda g, u: F.silu(g) * u
     yield "swiglu (up)", no_cuda, [other, x], (0, 1), kf.swiglu, lambda g, u: F.silu(g) * u
     yield "geglu", no_cuda, [x, other], (0, 1), kf.geglu, lambda g, u: F.gelu(g) * u
@@ -135,5 +135,8 @@ def test_special_values_land_where_torchs_do(backend, device, spot):
         want_grads = torch.autograd.grad(want, [exact[i] for i in differentiable], grad)
         for i, g, e in zip(differentiable, got_grads, want_grads):
             assert torch.equal(special(g.double()).cpu(), special(e)), f"{what}: the gradient of input {i}"
+            finite = e.isfinite()  # and the finite ones as torch's (relu's at a NaN: the gradient passes)
+            torch.testing.assert_close(g.double().cpu()[finite], e[finite], rtol=2e-2, atol=2e-2,
+                                       msg=f"{what}: the gradient of input {i}")
         checked += 1
     assert checked >= 8

@@ -55,7 +55,8 @@ def activation_derivative(z: torch.Tensor, kind: str) -> torch.Tensor:
     gelu       Phi(z) + z phi(z),  phi(z) = exp(-z^2/2) / sqrt(2 pi)
     gelu_tanh  0.5 (1 + t) + 0.5 z (1 - t^2) u',  t = tanh(u), u' = c (1 + 3a z^2)
     silu       s (1 + z (1 - s)),  s = sigmoid(z)
-    relu       1 where z > 0, else 0 (0 at z = 0, as torch)
+    relu       0 where z <= 0, else 1: 0 at z = 0 and 1 at NaN, as torch (its backward tests
+               relu(z) <= 0, false for NaN, so the incoming gradient passes)
     """
     _check_kind(kind)
     if kind == "gelu":
@@ -67,7 +68,7 @@ def activation_derivative(z: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "silu":
         s = torch.sigmoid(z)
         return s * (1.0 + z * (1.0 - s))
-    return (z > 0).to(z.dtype)
+    return (~(z <= 0)).to(z.dtype)
 
 
 def activation_second_derivative(z: torch.Tensor, kind: str) -> torch.Tensor:

@@ -176,7 +176,7 @@ def _activation_and_derivative(z, KIND: tl.constexpr, PRECISE: tl.constexpr):
         dy = s * (1.0 + z * s_mirror)
     else:  # relu
         y = tl.where(z < 0.0, 0.0, z)
-        dy = tl.where(z > 0.0, 1.0, 0.0)
+        dy = tl.where(z <= 0.0, 0.0, 1.0)  # 1 at NaN: the gradient passes, as torch's
     return y, dy
 
 
