@@ -103,7 +103,8 @@ class Op:
 
     def __init__(self, schema: str, impl: Callable, fake: Callable, *, choose: Optional[Callable] = None,
                  setup_context: Optional[Callable] = None, backward: Optional[Callable] = None,
-                 state: Optional[Callable[[], object]] = None, helper_outputs: tuple[int, ...] = ()):
+                 state: Optional[Callable[[], object]] = None, helper_outputs: tuple[int, ...] = (),
+                 unused_gradients_as_none: bool = False):
         qualname, _, signature = schema.partition("(")
         namespace, _, self.name = qualname.partition("::")
         if namespace != "kernelforge" or not self.name:
@@ -111,7 +112,9 @@ class Op:
         self.schema = "(" + signature
         self.impl, self.fake, self.choose = impl, fake, choose
         self.backward, self.helper_outputs = backward, tuple(helper_outputs)
-        self.setup_context = setup_context if setup_context is None or not helper_outputs else self._unmaterialized(
+        self.unused_gradients_as_none = unused_gradients_as_none
+        unmaterialized = helper_outputs or unused_gradients_as_none
+        self.setup_context = setup_context if setup_context is None or not unmaterialized else self._unmaterialized(
             setup_context)
         self._plans: dict = {}  # signature -> Plan | NoPlan (kernelforge._eager_plans)
         if state is not None:
@@ -198,7 +201,7 @@ class Op:
         if self.backward is None:
             raise RuntimeError(f"kernelforge::{self.name} has no gradient formula (its inputs' gradients, or a "
                                "double backward through it, are not computed)")
-        if self.helper_outputs:  # zeros for a result nobody differentiated, None for the helpers
+        if self.helper_outputs and not self.unused_gradients_as_none:  # zeros for a result, None for helpers
             grads = tuple(g if g is not None or meta is None else torch.zeros(meta[0], dtype=meta[1], device=meta[2])
                           for g, meta in zip(grads, ctx.kernelforge_outputs))
         return self.backward(ctx, *grads)
@@ -207,7 +210,8 @@ class Op:
         """setup_context that turns autograd's zero-filling of unused outputs' gradients off: the
         helper outputs' gradients (saved for the backward, never differentiated: a gated MLP's
         activations, a loss's lse) would be filled with zeros on every backward (two tensors of
-        tokens x intermediate a layer). Results keep zeros, made by _gradient where needed."""
+        tokens x intermediate a layer). Results keep zeros, made by _gradient where needed, unless
+        the op asked for None there too (unused_gradients_as_none)."""
         helpers = self.helper_outputs
 
         def setup(ctx, inputs, output):
@@ -278,7 +282,8 @@ def _traced_types() -> tuple:
 
 def define_op(schema: str, impl: Callable, fake: Callable, *, choose: Optional[Callable] = None,
               setup_context: Optional[Callable] = None, backward: Optional[Callable] = None,
-              state: Optional[Callable[[], object]] = None, helper_outputs: tuple[int, ...] = ()) -> Op:
+              state: Optional[Callable[[], object]] = None, helper_outputs: tuple[int, ...] = (),
+              unused_gradients_as_none: bool = False) -> Op:
     """Register kernelforge::<name> from one definition and return its lean call (module docstring).
 
     schema: "kernelforge::name(args) -> returns" (torch's schema language).
@@ -294,9 +299,13 @@ def define_op(schema: str, impl: Callable, fake: Callable, *, choose: Optional[C
     helper_outputs: the indices of outputs that are the backward's helpers, not results (saved
         for it, never differentiated): backward gets None for their gradients where autograd
         would fill zeros (the results' missing gradients still come as zeros).
+    unused_gradients_as_none: backward gets None for every output nobody differentiated, results
+        too (for a backward that must tell "no gradient" from a zero one: rope gives k no gradient
+        when only q's rotation reaches the loss, as torch does, where rotating a zero gradient by an
+        infinite angle would give NaN).
     """
     return Op(schema, impl, fake, choose=choose, setup_context=setup_context, backward=backward, state=state,
-              helper_outputs=helper_outputs)
+              helper_outputs=helper_outputs, unused_gradients_as_none=unused_gradients_as_none)
 
 
 __all__ = ["DEFINITIONS", "Op", "define_op", "is_traced", "no_view"]

@@ -133,14 +133,21 @@ def _save(ctx, inputs, output) -> None:
 
 
 def _rope_grad(ctx, grad_q, grad_k):
+    # An output nobody differentiated comes as None (unused_gradients_as_none) and its input gets
+    # no gradient, as in torch: a zero gradient rotated back by an infinite or NaN angle would be NaN.
+    if grad_q is None and grad_k is None:
+        return None, None, None, None, None, None, None
     cos, sin, position_ids, *inputs = ctx.saved_tensors
+    used = grad_q is not None, grad_k is not None
     grad_q, grad_k = (g if g is not None else cos.new_zeros(shape, dtype=other.dtype)
                       for g, other, shape in ((grad_q, grad_k, ctx.output_shapes[0]),
                                               (grad_k, grad_q, ctx.output_shapes[1])))
     dq, dk = rope_op(grad_q, grad_k, cos, sin, position_ids, ctx.unsqueeze_dim, not ctx.transpose)
+    dq, dk = (d if u else None for d, u in zip((dq, dk), used))
     dcos = dsin = None
     if ctx.angle_grads:  # not fused: torch ops over the inputs (angles rarely need a gradient)
-        q, k = inputs
+        # an unused output's input as zeros too: its 0 gradient times an infinite input is no term
+        q, k = (t if u else torch.zeros_like(t) for t, u in zip(inputs, used))
         heads_dim = _heads_dim(ctx.unsqueeze_dim)
         cos3, sin3, positions = _angles(cos, sin, position_ids)
         c, _ = token_angles(cos3, sin3, positions, _tokens_view(q, heads_dim).shape[0],
@@ -155,7 +162,7 @@ rope_op = define_op(
     "kernelforge::rope(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor? position_ids, int unsqueeze_dim, "
     "bool transpose) -> (Tensor, Tensor)",
     impl=_rope, fake=_fake_rope, choose=lambda q, *rest: backends.select(ROPE_OP, q),
-    setup_context=_save, backward=_rope_grad)
+    setup_context=_save, backward=_rope_grad, unused_gradients_as_none=True)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

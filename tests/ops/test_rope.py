@@ -2,6 +2,8 @@
 oracle): every backend, dtype and layout (both head orders, strided views, GQA, partial rotary,
 per-batch / shared / tabled angles), gradients of q, k, cos and sin, the registered op (opcheck),
 torch.compile with no graph break, empty inputs, out-of-range positions, bad input."""
+import math
+
 import pytest
 import torch
 
@@ -133,6 +135,33 @@ def test_out_of_range_positions_give_nan(backend, device):
     bad = torch.tensor([False, True, True, False], device=device)
     for out in (qo, ko):
         assert out[:, :, bad].isnan().all() and not out[:, :, ~bad].isnan().any()
+
+
+@pytest.mark.parametrize("backend,device", backend_cases(("reference", "triton")))
+def test_an_unused_rotation_gives_its_input_no_gradient(backend, device):
+    # Only q's rotation reaches the loss: k gets no gradient, as in torch (not a zero gradient
+    # rotated back by the angles, NaN where a cos / sin is infinite or NaN); q's and the angles'
+    # gradients are torch's, NaN / inf where torch's are.
+    q, k = qk(1, 2, 2, 4, 8, device, torch.float32)
+    cos, sin = angles(1, 4, 8, device)
+    cos[0, 1, 0], sin[0, 2, 3] = math.inf, math.nan
+    for used in (0, 1):
+        mine = [t.clone().requires_grad_() for t in (q, k, cos, sin)]
+        theirs = [t.detach().double().cpu().requires_grad_() for t in (q, k, cos, sin)]
+        with kf.use_backend(backend):
+            out = kf.rope(*mine)[used]
+        want = transformers_rope(*theirs)[used]
+        grad = torch.randn_like(want)
+        out.backward(grad.to(device, out.dtype))
+        want.backward(grad)
+        assert mine[1 - used].grad is None and theirs[1 - used].grad is None
+        for name, a, b in zip(("q", "k", "cos", "sin"), mine, theirs):
+            if b.grad is None:
+                continue
+            what = f"{backend}: {name}'s gradient with only {'qk'[used]} used"
+            assert torch.equal(a.grad.isnan().cpu(), b.grad.isnan()), what
+            finite = b.grad.isfinite()
+            torch.testing.assert_close(a.grad.double().cpu()[finite], b.grad[finite], rtol=1e-5, atol=1e-5, msg=what)
 
 
 @pytest.mark.parametrize("backend,device", backend_cases(("reference", "triton")))
