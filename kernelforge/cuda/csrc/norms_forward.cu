@@ -4,8 +4,10 @@
 // Statistics: each thread merges the exact mean / squared deviations of the values it
 // holds (two passes over registers), threads merge with Chan et al.'s formula in a
 // butterfly whose operands are ordered by lane (every lane ends with the same bits). No
-// sum-of-squares cancellation for layer norm; RMS uses sum(h^2) = m2 + n * mean^2, both
-// terms non-negative. rstd = 1 / sqrtf(.) (IEEE sqrt and division, not the 2-ulp rsqrtf).
+// sum-of-squares cancellation for layer norm. RMS sums h^2 itself (mean kept 0, the same
+// merge adding the sums): an infinite h then gives sum inf and rstd 0, so the row is 0 but
+// NaN at the inf (inf x 0), as torch's; deviations from an infinite mean would make the whole
+// row NaN. rstd = 1 / sqrtf(.) (IEEE sqrt and division, not the 2-ulp rsqrtf).
 //
 // Forward, by n (elements, the same choice for every VEC):
 //  (a) n <= 512, norm_fwd_regs_kernel<GROUP = 4..32>: GROUP lanes per row, row in
@@ -78,10 +80,16 @@ struct MeanM2 {
 };
 
 // Stats of v[0..count) (count a multiple of VEC, the valid prefix); v[count..N) are 0.
+// RMS: mean 0 and m2 = sum(v^2) (see the top of the file).
 template <int N>
-__device__ __forceinline__ MeanM2 chunk_stats(const float (&v)[N], int count) {
+__device__ __forceinline__ MeanM2 chunk_stats(const float (&v)[N], int count, bool rms) {
   if (count == 0) return MeanM2::identity();
   float sum = 0.f;
+  if (rms) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) sum += v[j] * v[j];
+    return {static_cast<float>(count), 0.f, sum};
+  }
 #pragma unroll
   for (int j = 0; j < N; ++j) sum += v[j];
   const float mean = sum / static_cast<float>(count);
@@ -100,7 +108,7 @@ struct RowStats {
 
 __device__ __forceinline__ RowStats finish_stats(const MeanM2& s, int cols, float eps, bool rms) {
   const float n = static_cast<float>(cols), var = s.m2 / n;
-  if (rms) return {0.f, 1.f / sqrtf(var + s.mean * s.mean + eps)};
+  if (rms) return {0.f, 1.f / sqrtf(var + eps)};  // m2 = sum(h^2) here
   return {s.mean, 1.f / sqrtf(var + eps)};
 }
 
@@ -200,7 +208,7 @@ __global__ void __launch_bounds__(GROUP > 0 ? kFwdWarpThreads : kFwdMaxBlockThre
     float h[N];
     Pack<T, VEC> hp[PACKS];
     const int valid = load_h<T, VEC, PACKS>(a, row, active, lane, lanes, packs, h, hp);
-    MeanM2 s = chunk_stats<N>(h, valid * VEC);
+    MeanM2 s = chunk_stats<N>(h, valid * VEC, a.rms);
     if constexpr (GROUP > 0) {
       s = s.template allreduce<GROUP>();
     } else {
@@ -244,7 +252,7 @@ __global__ void __launch_bounds__(kLongThreads, 1) norm_fwd_long_kernel(const Fw
         for (int u = 0; u < UNROLL; ++u)
           if (u < valid) cache[first + u * stride] = hp[u];
       }
-      s = MeanM2::merge(s, chunk_stats<N>(h, valid * VEC));
+      s = MeanM2::merge(s, chunk_stats<N>(h, valid * VEC, a.rms));
     }
     s = block_allreduce(s, scratch);
     const RowStats st = finish_stats(s, a.cols, a.eps, a.rms);
