@@ -17,8 +17,9 @@
 #   aot      KERNELFORGE_BUILD_CUDA=1 pip install into /tmp/kfsite; doctor and CUDA op tests against it;
 #            AOT_INTO_TREE=1 also copies the built libraries into this tree's kernelforge/cuda/_aot/
 #            (later stages of the call then load them instead of building JIT)
-#   memcheck compute-sanitizer --tool memcheck over each of $MEMCHECK_TESTS (FILE or FILE:SECONDS),
-#            $MEMCHECK_K narrowing each file's selection further (e.g. "bf16" / "not bf16" for two halves)
+#   memcheck / racecheck  compute-sanitizer --tool memcheck / racecheck over each of $MEMCHECK_TESTS /
+#            $RACECHECK_TESTS (FILE or FILE:SECONDS; default tests/cuda), $MEMCHECK_K / $RACECHECK_K
+#            replacing each file's -k selection
 #   demo     kernelforge demo $DEMO_ARGS (the example models at every level: table, JSON, plot) into demo/
 #   script   python3 $SCRIPT (one benchmark or probe script with its arguments) into script.log
 #   harness  kernelforge bench $BENCH_OPS (default all) --dtype $BENCH_DTYPE (default bf16) --crosscheck
@@ -107,19 +108,25 @@ for stage in $stages; do
       echo "JIT builds during the AOT tests: $(ls /tmp/kf-jit-empty/cuda 2>/dev/null | wc -l)" | tee -a "$R/aot-gpu-tests.log"
       [ "${AOT_INTO_TREE:-0}" = 1 ] && cp /tmp/kfsite/kernelforge/cuda/_aot/*.so /tmp/kfsite/kernelforge/cuda/_aot/*.json \
         kernelforge/cuda/_aot/ ;;
-    memcheck)  # compute-sanitizer memcheck over the GPU tests of the CUDA extensions: each file of
-               # $MEMCHECK_TESTS in its own process (no xdist: the sanitizer crashed
-               # bringing up its workers), the caching allocator off so every out-of-bounds access is seen
-      # entries FILE or FILE:SECONDS; op tests keep only the CUDA backend's cases (-k), timing tests are left out
-      for entry in ${MEMCHECK_TESTS:-tests/cuda}; do
-        file=${entry%%:*}; limit=${entry#*:}; [ "$limit" = "$entry" ] && limit=${MEMCHECK_TIMEOUT:-200}
-        case $file in tests/ops/*) k="cuda-cuda or opcheck[cuda]" ;; *) k="not speed" ;; esac
-        [ -n "${MEMCHECK_K:-}" ] && k="($k) and ($MEMCHECK_K)"
-        log="$R/memcheck-$(basename "$file" .py).log"
-        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$limit" compute-sanitizer --tool memcheck \
+    memcheck|racecheck)  # compute-sanitizer's memcheck (out-of-bounds and misaligned accesses) or racecheck
+               # (shared-memory hazards) over GPU tests, each entry in its own process (no xdist: the
+               # sanitizer crashed bringing up its workers), the caching allocator off so every
+               # out-of-bounds access is seen. $MEMCHECK_TESTS / $RACECHECK_TESTS: entries TEST or
+               # TEST:SECONDS (a file or a pytest node id); op tests keep their CUDA- and Triton-backend
+               # cases on the GPU, other files all but timing tests ($MEMCHECK_K / $RACECHECK_K replace
+               # that -k selection)
+      tests_var=${stage^^}_TESTS; k_var=${stage^^}_K
+      for entry in ${!tests_var:-tests/cuda}; do
+        file=$entry; limit=${SANITIZE_TIMEOUT:-200}
+        case ${entry##*:} in ''|*[!0-9]*) ;; *) file=${entry%:*}; limit=${entry##*:} ;; esac
+        case $file in tests/ops/*|tests/test_special_values.py*) k="cuda-cuda or triton-cuda or opcheck[cuda]" ;;
+          *) k="not speed" ;; esac
+        [ -n "${!k_var:-}" ] && k="${!k_var}"
+        log="$R/$stage-$(echo "${file#tests/}" | sed 's/\.py//; s/::/-/g; s#/#-#g').log"
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$limit" compute-sanitizer --tool "$stage" \
           --error-exitcode 99 --print-limit 20 python3 -m pytest -m gpu -v -p no:cacheprovider -p no:xdist \
           -k "$k" "$file" > "$log" 2>&1
-        rc=$?; status=$(( status | rc )); echo "$file: exit $rc"; grep -E "ERROR SUMMARY|passed|failed" "$log" | tail -n 3
+        rc=$?; status=$(( status | rc )); echo "$stage $file: exit $rc"; grep -E "ERROR SUMMARY|passed|failed" "$log" | tail -n 3
       done ;;
     demo)
       timeout "${DEMO_TIMEOUT:-400}" python3 -m kernelforge.cli demo --out "$R/demo" ${DEMO_ARGS:-} > "$R/demo.log" 2>&1
