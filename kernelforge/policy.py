@@ -1,5 +1,5 @@
 """kernelforge.gpu_kernel: run a function under a precision policy and, if asked, on its own
-CUDA stream (the decorator of the design documents: @gpu_kernel(precision="fp16"),
+CUDA stream (@gpu_kernel(precision="fp16"),
 @gpu_kernel(use_tensor_cores=True), @gpu_kernel(streams=True)).
 
 precision sets what kernelforge.gemm(..., precision="auto") computes in during the call

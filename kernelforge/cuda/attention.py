@@ -3,7 +3,7 @@ csrc/attention_kernel.cuh, csrc/attention_binding.cpp): a FlashAttention-2 style
 mma.sync tensor cores, float16 / bfloat16, head dims 32, 64, 96, 128 and 256.
 
 `attention_forward` is the launcher the ops layer calls (after asking `why_not`);
-`flash_attention` is the design documents' raw API. Both run on the current CUDA stream of
+`flash_attention` is the raw API (CUDA tensors in, no autograd). Both run on the current CUDA stream of
 q's device. Visibility (FlashAttention-2's convention): with off = Sk - Sq, key j is visible
 to query i iff (not causal or j <= i + off) and (window_left < 0 or j >= i + off -
 window_left) and (window_right < 0 or j <= i + off + window_right); a row with no visible

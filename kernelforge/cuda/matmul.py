@@ -5,7 +5,7 @@ operands, float32 accumulation, a 128 x 128 x 32 tile staged through shared memo
 unrounded accumulator with one rounding.
 
 `gemm` is the launcher the ops layer calls (the interface of kernelforge/reference/gemm.py,
-after asking `why_not`); `matmul` is the design documents' raw API, which is also what
+after asking `why_not`); `matmul` is the raw API (no autograd), which is also what
 `kernelforge.cuda.gemm(a, b, block_size=256, shared_mem=True)` calls. Both run on the current
 CUDA stream of a's device.
 

@@ -1,6 +1,6 @@
 """Softmax through the CUDA extension (csrc/softmax_cuda.cu + csrc/softmax_binding.cpp).
 
-Row launchers for the backend registry, and `SoftMaxOp`, the design documents' object API.
+Row launchers for the backend registry, and `SoftMaxOp`, an object API over the compiled module.
 The kernels run on the current CUDA stream of the input's device.
 """
 from __future__ import annotations

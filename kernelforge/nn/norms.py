@@ -50,7 +50,7 @@ class LayerNorm(torch.nn.Module):
 
 class TritonLayerNorm(LayerNorm):
     """LayerNorm whose forward runs on the Triton backend (or raises if Triton cannot take
-    the input); `dim` is the normalized size, as in the design documents' example. The
+    the input); `dim` is the normalized size (as nn.LayerNorm's normalized_shape). The
     backward op picks its backend when autograd runs it: Triton by default on CUDA tensors."""
 
     def __init__(self, dim: ShapeLike, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,

@@ -183,4 +183,4 @@ def convrnn(x: torch.Tensor, kernel: torch.Tensor, hidden: torch.Tensor) -> tupl
     return convrnn_op(x, kernel, hidden)
 
 
-convrnn_forward = convrnn  # the design documents' name
+convrnn_forward = convrnn  # the earlier public name, kept
