@@ -34,3 +34,35 @@ doctor: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# Development containers: Dockerfile (GPU image), Dockerfile.cpu (CPU image), docker-compose.yml
+# (their services, which mount this checkout). `make setup` builds the image this machine can run;
+# then `make dev` / `make jupyter` (GPU) or `make dev-cpu` / `make jupyter-cpu` (CPU): a shell, or
+# Jupyter Lab on port 8888 with TensorBoard on 6006. DOCKER_COMPOSE: another compose command.
+.PHONY: setup dev jupyter dev-cpu jupyter-cpu
+DOCKER_COMPOSE ?= docker compose
+# the images' user gets your uid and gid, so what a container writes in the checkout stays yours
+COMPOSE := USER_UID=$$(id -u) USER_GID=$$(id -g) $(DOCKER_COMPOSE)
+
+# An NVIDIA GPU that nvidia-smi lists ("GPU 0: ...") means the GPU image, anything else the CPU one.
+# (Running the GPU image also needs the NVIDIA Container Toolkit.)
+setup:
+	@if nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then \
+		echo "setup: nvidia-smi lists an NVIDIA GPU: building the GPU image (Dockerfile) for make dev / make jupyter"; \
+		$(COMPOSE) build dev; \
+	else \
+		echo "setup: no NVIDIA GPU listed by nvidia-smi: building the CPU image (Dockerfile.cpu) for make dev-cpu / make jupyter-cpu"; \
+		$(COMPOSE) build dev-cpu; \
+	fi
+
+dev:
+	$(COMPOSE) run --rm dev
+
+jupyter:
+	$(COMPOSE) up jupyter
+
+dev-cpu:
+	$(COMPOSE) run --rm dev-cpu
+
+jupyter-cpu:
+	$(COMPOSE) up jupyter-cpu
