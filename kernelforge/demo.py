@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -71,7 +72,7 @@ class Row:
     bandwidth_pct: float = math.nan  # decode: % of the memory-bandwidth limit per token
 
 
-def _random_graphs(graphs: int, nodes_per_graph: int, edges_per_node: int, features: int, device, dtype):
+def random_graphs(graphs: int, nodes_per_graph: int, edges_per_node: int, features: int, device, dtype):
     """`graphs` random graphs batched into one: x (N, F), edge_index (2, E), batch (N,)."""
     n = graphs * nodes_per_graph
     src = torch.randint(0, nodes_per_graph, (n * edges_per_node,), device=device)
@@ -97,7 +98,7 @@ def workloads(device: torch.device, dtype: torch.dtype, realistic: bool) -> list
     ids = torch.randint(0, lm_cfg["vocab_size"], (batch, seq), device=device)
     vit = VisionTransformer(**vit_cfg).to(device, dtype)
     gnn = GraphNeuralNetwork(**gnn_cfg).to(device, dtype)
-    x, edge_index, graph_of_node = _random_graphs(*graph, gnn_cfg["node_features"], device, dtype)
+    x, edge_index, graph_of_node = random_graphs(*graph, gnn_cfg["node_features"], device, dtype)
     return [
         Workload("LM forward", lm.eval(), (ids,), batch * seq, "tok/s"),
         Workload("LM train step", copy.deepcopy(lm).train(), (ids,), batch * seq, "tok/s", training=True),
@@ -357,4 +358,11 @@ def run_demo(out: TextIO, device: Optional[str] = None, out_dir: str = "demo-res
     return 1 if failed else 0
 
 
-__all__ = ["DEMO_LEVELS", "UnknownWorkloadError", "run_demo", "workloads"]
+def run_progressive_optimization_demo(device=None, out_dir: str = "demo-results") -> int:
+    """`kernelforge demo` (every model at every level here) under the name kernelforge.models
+    gave it (the package's aliases' entry point)."""
+    return run_demo(sys.stdout, device=device, out_dir=out_dir)
+
+
+__all__ = ["DEMO_LEVELS", "UnknownWorkloadError", "random_graphs", "run_demo", "run_progressive_optimization_demo",
+           "workloads"]

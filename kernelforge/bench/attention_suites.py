@@ -18,18 +18,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kernelforge as kf
 from kernelforge.bench.roofline import Cost
+from kernelforge.bench.suite_types import Suite, Unavailable
 from kernelforge.reference.attention import Visibility
 
 # The math SDPA ("torch eager") materializes the B*H*Sq*Sk scores, their softmax and, for the
 # backward, their gradients: it runs only up to this many score elements (the CPU shapes;
 # the GPU grid starts at 2^28).
 EAGER_MAX_SCORES = 1 << 26
-
-
-def _unavailable(reason: str) -> Exception:
-    from kernelforge.bench.suites import Unavailable  # suites.py imports this module
-
-    return Unavailable(reason)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -71,9 +66,9 @@ def _sdpa(backend: SDPBackend | None, name: str, needs_cuda: bool = False, max_s
     through enable_gqa; `causal` is SDPA's top-left causal mask (the same as ours for Sq == Sk)."""
     def run(q, k, v, causal=False):
         if needs_cuda and q.device.type != "cuda":
-            raise _unavailable(f"SDPA's {name} backend runs on CUDA only")
+            raise Unavailable(f"SDPA's {name} backend runs on CUDA only")
         if max_scores is not None and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] > max_scores:
-            raise _unavailable(f"the math SDPA materializes the scores: left out above {max_scores} score elements")
+            raise Unavailable(f"the math SDPA materializes the scores: left out above {max_scores} score elements")
         gqa = k.shape[1] != q.shape[1]
         try:
             if backend is None:
@@ -83,8 +78,8 @@ def _sdpa(backend: SDPBackend | None, name: str, needs_cuda: bool = False, max_s
         except RuntimeError as err:
             if "No available kernel" not in str(err):
                 raise
-            raise _unavailable(f"SDPA's {name} backend has no kernel for {str(q.dtype)[6:]}, head dim "
-                               f"{q.shape[-1]}{', GQA' if gqa else ''}") from err
+            raise Unavailable(f"SDPA's {name} backend has no kernel for {str(q.dtype)[6:]}, head dim "
+                              f"{q.shape[-1]}{', GQA' if gqa else ''}") from err
 
     return run
 
@@ -113,7 +108,7 @@ def _flex(sliding: bool = False):
 
     def run(q, k, v, x):
         if q.device.type == "cpu" and q.requires_grad:
-            raise _unavailable("FlexAttention has no backward on the CPU")
+            raise Unavailable("FlexAttention has no backward on the CPU")
         window, causal = (x, True) if sliding else (None, x)
         return compiled(q, k, v, block_mask=_flex_mask(q.shape[2], k.shape[2], window, q.device) if causal else None)
 
@@ -182,10 +177,10 @@ def _flex_pattern():
 
     def run(q, k, v, pattern):
         if q.device.type == "cpu" and q.requires_grad:
-            raise _unavailable("FlexAttention has no backward on the CPU")
+            raise Unavailable("FlexAttention has no backward on the CPU")
         flex = _pattern_masks(pattern, q.shape[2], q.device)[1]
         if isinstance(flex, Exception):
-            raise _unavailable(f"FlexAttention could not build the {pattern} mask: {flex}")
+            raise Unavailable(f"FlexAttention could not build the {pattern} mask: {flex}")
         return compiled(q, k, v, block_mask=flex)
 
     return run
@@ -206,7 +201,7 @@ def _in_cuda_graph(fn):
 
     def run(*inputs):
         if not isinstance(inputs[0], torch.Tensor) or inputs[0].device.type != "cuda":
-            raise _unavailable("CUDA graphs capture CUDA work only")
+            raise Unavailable("CUDA graphs capture CUDA work only")
         key = tuple(id(t) for t in inputs)
         if key not in captured:
             captured.clear()
@@ -235,8 +230,6 @@ def _decode_cost(shape, dtype: torch.dtype, direction: str) -> Cost:
 
 
 def attention_suites() -> dict:
-    from kernelforge.bench.suites import Suite  # (suites.py calls this once Suite is defined)
-
     return {
         # (B, H, S, D, causal): the target shapes: B*S = 16384 tokens, 16 heads, head dims 128 and 64
         "attention": Suite(

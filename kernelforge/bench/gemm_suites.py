@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import kernelforge as kf
 from kernelforge.bench.roofline import Cost
+from kernelforge.bench.suite_types import Suite, Unavailable
 from kernelforge.ops.gemm import resolve_compute
 from kernelforge.reference.gemm import fp8_scale, quantize_fp8
 
@@ -116,8 +117,6 @@ def _fp8_cost(shape, dtype, direction):
 def _scaled_mm(fast_accum: bool):
     def run(qa, qw, scale_a, scale_b):
         if qa.device.type != "cuda":
-            from kernelforge.bench.suites import Unavailable
-
             raise Unavailable("torch._scaled_mm runs on GPUs with float8 tensor cores")
         return torch._scaled_mm(qa, qw.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16,
                                 use_fast_accum=fast_accum)
@@ -126,8 +125,6 @@ def _scaled_mm(fast_accum: bool):
 
 
 def gemm_suites() -> dict:
-    from kernelforge.bench.suites import Suite  # (suites.py calls this once Suite is defined)
-
     return {
         "gemm": Suite(
             op="gemm",

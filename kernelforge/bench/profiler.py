@@ -1,4 +1,4 @@
-"""The design documents' profiling API: KernelProfiler (compare and plot implementations)
+"""The profiling API: KernelProfiler (compare and plot implementations)
 and profile_model_inference (time, peak memory and top kernels of a model's forward)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Callable, Optional
 
 import torch
 
-from kernelforge.bench.timing import _device_of, compare_implementations
+from kernelforge.bench.timing import compare_implementations, device_of, time_function
 
 
 class KernelProfiler:
@@ -67,8 +67,7 @@ def profile_model_inference(model: torch.nn.Module, inputs, warmup: int = 3, rep
     from torch.profiler import ProfilerActivity, profile
 
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-    device = _device_of(inputs)
-    from kernelforge.bench.timing import time_function
+    device = device_of(inputs)
 
     with torch.no_grad():
         if device.type == "cuda":

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import kernelforge as kf
 from kernelforge.bench.roofline import Cost
+from kernelforge.bench.suite_types import Suite
 
 # (batch, time, features, taps)
 SHAPES = [(8, 16, 64, 3), (8, 16, 4096, 3), (8, 256, 1024, 3), (8, 4096, 64, 3), (8, 4096, 1024, 3),
@@ -47,8 +48,6 @@ def _eager_loop(x: torch.Tensor, kernel: torch.Tensor, hidden: torch.Tensor):
 
 
 def recurrent_suites() -> dict:
-    from kernelforge.bench.suites import Suite  # (suites.py calls this once Suite is defined)
-
     return {"convrnn": Suite(
         op="convrnn", shapes=SHAPES, quick_shapes=QUICK_SHAPES, make_inputs=_inputs, cost=_cost,
         kernelforge=kf.convrnn, baselines=lambda: {"torch eager": _eager_loop},

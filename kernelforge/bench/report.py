@@ -33,7 +33,7 @@ def write_results(result: dict, out_dir: Path | str, stem: str = "bench") -> lis
     return paths
 
 
-def _best_baseline_ms(rows: list[dict], row: dict):
+def best_baseline_ms(rows: list[dict], row: dict):
     way = next((w for w in WAYS if row["impl"].endswith(w)), "")
     names = {b + way for b in BASELINES}
     peers = [r["ms"] for r in rows if r["impl"] in names and "ms" in r
@@ -73,7 +73,7 @@ def markdown(result: dict) -> str:
             if "error" in r:
                 lines.append(f"{head} FAILED: {r['error']} | | | | | |")
                 continue
-            best = _best_baseline_ms(rows, r)
+            best = best_baseline_ms(rows, r)
             tflops = f"{r['tflops']:.1f}" if r.get("tflops") is not None else ""
             pct = f"{r['pct_of_ceiling']:.1f}" if r.get("pct_of_ceiling") is not None else ""
             speed = f"{best / r['ms']:.2f}x" if best else ""

@@ -14,7 +14,8 @@ import torch
 
 import kernelforge as kf
 from kernelforge.bench.roofline import get_ceilings, roofline
-from kernelforge.bench.suites import SUITES, Suite, Unavailable, kernelforge_implementations, missing_peers
+from kernelforge.bench.suite_types import Suite, Unavailable
+from kernelforge.bench.suites import SUITES, kernelforge_implementations, missing_peers
 from kernelforge.bench.timing import time_function
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

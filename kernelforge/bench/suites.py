@@ -1,16 +1,16 @@
 """Benchmark suites: for each op, its shapes, inputs, cost and the implementations to race.
 
-Adding an op to `kernelforge bench` means adding one `Suite` here: the shape grid (the
-large target shapes, latency shapes where per-call overhead dominates, and
-small CPU shapes), how to make inputs, what one call must move and compute (`Cost`), and
-the baselines (PyTorch eager, torch.compile, peers when importable). The attention suites
-are in kernelforge.bench.attention_suites, the GEMM suites in kernelforge.bench.gemm_suites, the
-ConvRNN suite in kernelforge.bench.recurrent_suites.
+Adding an op to `kernelforge bench` means adding one `Suite` (kernelforge.bench.suite_types) to
+SUITES here: the shape grid (the large target shapes, latency shapes where per-call overhead
+dominates, and small CPU shapes), how to make inputs, what one call must move and compute
+(`Cost`), and the baselines (PyTorch eager, torch.compile, peers when importable). The attention
+suites are in kernelforge.bench.attention_suites, the GEMM suites in kernelforge.bench.gemm_suites,
+the ConvRNN suite in kernelforge.bench.recurrent_suites, the gather-scatter suite in
+kernelforge.bench.message_passing_suites.
 """
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -20,53 +20,10 @@ import kernelforge as kf
 from kernelforge import backends
 from kernelforge.bench.attention_suites import attention_suites
 from kernelforge.bench.gemm_suites import gemm_suites
+from kernelforge.bench.message_passing_suites import message_passing_suites
 from kernelforge.bench.recurrent_suites import recurrent_suites
 from kernelforge.bench.roofline import Cost
-
-Shape = tuple
-Fn = Callable[..., torch.Tensor]
-
-
-class Unavailable(Exception):
-    """Raised by an implementation that cannot take a case here (a CUDA-only baseline on the
-    CPU, say): the runner leaves its row out and notes the reason."""
-
-
-def shape_label(shape: Shape) -> str:
-    return "x".join(str(s) for s in shape)
-
-
-@dataclass
-class Suite:
-    op: str
-    shapes: list[Shape]  # the GPU grid: large shapes first, then latency shapes
-    quick_shapes: list[Shape]  # --quick, and every CPU run
-    make_inputs: Callable[[Shape, torch.dtype, torch.device], tuple]
-    cost: Callable[[Shape, torch.dtype, str], Cost]  # direction: "fwd" | "fwd+bwd"
-    kernelforge: Fn  # the public function (runs on the default or a forced backend)
-    baselines: Callable[[], dict[str, Fn]]  # built lazily: torch.compile and peers are costly
-    peers: dict[str, str] = field(default_factory=dict)  # name -> module that must import
-    directions: tuple[str, ...] = ("fwd", "fwd+bwd")
-    # Forward-only diagnostics on a GPU, e.g. the raw kernel launchers without the op layer,
-    # so the cost of dispatch shows as the difference.
-    kernel_only: Callable[[], dict[str, Fn]] = dict
-    registry_op: str = ""  # the op's name in kernelforge.backends, when it differs from `op`
-    # Options the registry's support predicates take besides the inputs (an activation's
-    # kind), so a backend is offered only for what it implements.
-    support_options: dict = field(default_factory=dict)
-    # What the support predicates are called with for one case, as a function of (inputs,
-    # direction) giving (args, kwargs); None: (inputs[0],) and support_options. Attention's
-    # take (q, k, v, vis=..., backward=...).
-    support_args: Optional[Callable[[tuple, str], tuple[tuple, dict]]] = None
-    # More rows of the public function called another way (a window as a BlockMask).
-    variants: Callable[[], dict[str, Fn]] = dict
-    label: Callable[[Shape], str] = shape_label  # a shape as the rows name it
-    # The suite's own dtypes (names of kernelforge.bench.runner.DTYPES), run whatever --dtype
-    # asks: a precision suite (tf32, fp8) is defined by them. Empty: --dtype.
-    dtypes: tuple[str, ...] = ()
-    # At most this many timed runs (and 3 warm-ups) a case, when some implementation takes
-    # a large fraction of a second a call (the ConvRNN loops); 0: the run's own count.
-    max_repeat: int = 0
+from kernelforge.bench.suite_types import Fn, Shape, Suite, Unavailable
 
 
 def _softmax_kernel_only() -> dict[str, Fn]:
@@ -423,6 +380,7 @@ SUITES: dict[str, Suite] = {
     **attention_suites(),
     **gemm_suites(),
     **recurrent_suites(),
+    **message_passing_suites(),
 }
 
 
@@ -448,7 +406,7 @@ def kernelforge_implementations(suite: Suite, inputs: tuple, only: Optional[list
             impls[f"kernelforge[{name}]"] = _unavailable(f"its support check raised {type(err).__name__}: {err}")
             continue
         if offered:
-            impls[f"kernelforge[{name}]"] = _forced(name, suite.kernelforge)
+            impls[f"kernelforge[{name}]"] = forced(name, suite.kernelforge)
     return impls
 
 
@@ -459,7 +417,7 @@ def _unavailable(reason: str) -> Fn:
     return run
 
 
-def _forced(backend: str, fn: Fn) -> Fn:
+def forced(backend: str, fn: Fn) -> Fn:
     """fn on `backend`; tagged, so that a forward+backward run keeps the backend for the
     backward too (see kernelforge.bench.runner.prepare_call)."""
     def run(*args):

@@ -1,4 +1,4 @@
-"""Timing a function by the project's performance method (README, Performance).
+"""Timing a function by the project's performance method (docs/performance.md).
 
 On a GPU: CUDA events after warm-up, every run preceded by an L2 flush (a write over a
 buffer larger than L2) so no run is served from the previous run's cache; the median and
@@ -140,7 +140,7 @@ def wall_us_per_call(fn: Callable[[], object], calls: int = 100, warmup: int = 1
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def _device_of(inputs) -> torch.device:
+def device_of(inputs) -> torch.device:
     """The device of the first tensor found in (nested) inputs; CPU if there is none."""
     stack = list(inputs)
     while stack:
@@ -156,7 +156,7 @@ def _device_of(inputs) -> torch.device:
 
 def stats(t: Timing) -> dict:
     """A Timing as the plain dict the public helpers return (ms fields, plus seconds under
-    the names the design documents use: mean_time, median_time)."""
+    the names of the earlier API: mean_time, median_time)."""
     d = t.as_dict()
     d["mean_time"] = t.mean_ms / 1e3
     d["median_time"] = t.median_ms / 1e3
@@ -167,7 +167,7 @@ def benchmark_kernel(fn: Callable, inputs=(), warmup: int = 10, repeat: int = 10
                      back_to_back: bool = False) -> dict:
     """Time fn(*inputs) on the inputs' device: median, 20/80% quantiles, min, max, mean."""
     inputs = tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
-    return stats(time_function(lambda: fn(*inputs), _device_of(inputs), warmup, repeat, back_to_back))
+    return stats(time_function(lambda: fn(*inputs), device_of(inputs), warmup, repeat, back_to_back))
 
 
 def quick_benchmark(fn: Callable, *inputs, warmup: int = 3, repeat: int = 20) -> dict:

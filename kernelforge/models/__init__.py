@@ -8,8 +8,9 @@ weights give the same outputs at every level, within the dtype's tolerance.
     gnn = GraphNeuralNetwork(node_features=64, hidden=128, num_classes=10, layers=3, aggregation="mean")
     logits = gnn(x, edge_index, batch)    # (N, 64), (2, E) [source, target], (N,) -> (graphs, 10)
 
-The design documents' names are aliases: KernelOptimizedLanguageModel,
-KernelOptimizedVisionTransformer, KernelOptimizedGraphNeuralNetwork.
+Aliases kept from the earlier API: KernelOptimizedLanguageModel,
+KernelOptimizedVisionTransformer, KernelOptimizedGraphNeuralNetwork. Their demo entry point,
+run_progressive_optimization_demo, is kernelforge.demo's (which imports this package).
 """
 from kernelforge.models.graph_neural_network import GraphNeuralNetwork, GraphNeuralNetworkConfig
 from kernelforge.models.language_model import LanguageModel, LanguageModelConfig
@@ -25,13 +26,4 @@ KernelOptimizedGraphNeuralNetwork = GraphNeuralNetwork
 __all__ = ["BlockConfig", "EXTRA_LEVELS", "FASTEST", "GraphNeuralNetwork", "GraphNeuralNetworkConfig", "KERNELFORGE_LEVELS",
            "KernelOptimizedGraphNeuralNetwork", "KernelOptimizedLanguageModel", "KernelOptimizedVisionTransformer",
            "LEVELS", "LanguageModel", "LanguageModelConfig", "LevelUnavailableError", "OptimizedTransformerBlock",
-           "VisionTransformer", "VisionTransformerConfig", "run_progressive_optimization_demo", "why_level_unavailable"]
-
-
-def run_progressive_optimization_demo(device=None, out_dir: str = "demo-results") -> int:
-    """The design documents' entry point: `kernelforge demo` (every model at every level here)."""
-    import sys
-
-    from kernelforge.demo import run_demo
-
-    return run_demo(sys.stdout, device=device, out_dir=out_dir)
+           "VisionTransformer", "VisionTransformerConfig", "why_level_unavailable"]

@@ -67,7 +67,7 @@ def _preference(x: torch.Tensor, src=None, dst=None, num_nodes=None, reduce: str
     """Fastest-first backend order for these inputs."""
     if x.device.type != "cuda":
         return ("reference",), "the reference is the CPU implementation"
-    # Measured on the H200 (benchmarks/gather_scatter_bench.py, the demo GNN's graph): 6.6-9.3x
+    # Measured on the H200 (kernelforge bench gather_scatter's cases, the demo GNN's graph): 6.6-9.3x
     # index_select + index_add_ forward, 7.7-9.4x forward + backward.
     return ("triton", "reference"), (
         "the Triton kernel gathers each message straight into a float32 accumulator, where "

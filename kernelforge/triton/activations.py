@@ -117,7 +117,7 @@ def _sigmoid_and_mirror(z):
 
 
 @triton.jit
-def _activation(z, KIND: tl.constexpr, PRECISE: tl.constexpr):
+def activation(z, KIND: tl.constexpr, PRECISE: tl.constexpr):
     """act(z) for float32 z."""
     if KIND == "gelu":
         y = 0.5 * z * (1.0 + _erf(z * SQRT1_2, PRECISE))
@@ -140,12 +140,12 @@ def _tanh_approx(x):
 
 
 @triton.jit
-def _activation_for_bf16(z, KIND: tl.constexpr, PRECISE: tl.constexpr):
+def activation_for_bf16(z, KIND: tl.constexpr, PRECISE: tl.constexpr):
     """act(z) for float32 z whose result is stored as bfloat16 (8 mantissa bits): silu and
     gelu_tanh take sigmoid(x) = 0.5 + 0.5 tanh(x / 2) from the SFU's tanh, whose 2^-11
     error is a quarter of the store's rounding, instead of an exp and a division (~5x the
     instructions: in a GEMM epilogue, which nothing overlaps, that was ~8% of a 4096^3
-    product). GPU only (inline PTX); other kinds as _activation."""
+    product). GPU only (inline PTX); other kinds as activation."""
     if KIND == "gelu_tanh":
         half_z = 0.5 * z
         y = half_z + half_z * _tanh_approx(_cubic(z) * TANH_SCALE)
@@ -153,7 +153,7 @@ def _activation_for_bf16(z, KIND: tl.constexpr, PRECISE: tl.constexpr):
         half_z = 0.5 * z
         y = half_z + half_z * _tanh_approx(half_z)
     else:
-        y = _activation(z, KIND, PRECISE)
+        y = activation(z, KIND, PRECISE)
     return y
 
 
@@ -204,7 +204,7 @@ def _act_fwd_kernel(
     z = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         z += tl.load(bias_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
-    y = _activation(z, KIND, PRECISE)
+    y = activation(z, KIND, PRECISE)
     tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -248,7 +248,7 @@ def _glu_fwd_kernel(
     rows, cols, mask = _tile(pid // n_col_blocks, pid % n_col_blocks, n_rows, n_cols, BLOCK_M, BLOCK_N)
     a = tl.load(gate_ptr + rows[:, None] * gate_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     b = tl.load(up_ptr + rows[:, None] * up_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = _activation(a, KIND, PRECISE) * b
+    y = activation(a, KIND, PRECISE) * b
     tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 

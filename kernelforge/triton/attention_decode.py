@@ -24,7 +24,7 @@ import triton.language as tl
 
 from kernelforge.reference.attention import Visibility
 from kernelforge.triton._launch import cdiv, launch, next_power_of_2, on_device, sm_count
-from kernelforge.triton.attention_kernels import LN2, _finish_rows, _forward_tile
+from kernelforge.triton.attention_kernels import LN2, finish_rows, forward_tile
 
 MAX_ROWS = 64  # GROUP * Sq rows of one tile; beyond this the query-tiled forward is as good
 MIN_KEYS = 512  # shorter caches: one query-tiled program walks them quickly enough
@@ -94,11 +94,11 @@ def decode_split_kernel(
     start = split * keys_per_split
     stop = tl.minimum(start + keys_per_split, Sk)
     for n0 in range(start, stop, BLOCK_N):  # every tile masked: the range end, the band, the mask
-        acc, m_i, l_i = _forward_tile(
+        acc, m_i, l_i = forward_tile(
             acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, i, offs_n, offs_d, offs_dv, Sq, stop, off, LEFT, RIGHT,
             qk_scale, mask_base, smm, smn, MASK, -1, True, HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
             False, 16, 16, PRECISION)
-    out, lse2 = _finish_rows(acc, m_i, l_i)
+    out, lse2 = finish_rows(acc, m_i, l_i)
     # partial buffers: (splits, B, H, Sq[, Dv]) float32, dense
     row = ((split * (tl.num_programs(1) // HKV) + b) * H + h).to(tl.int64) * Sq + i
     tl.store(LSE_PART + row, lse2, mask=row_ok)

@@ -23,7 +23,7 @@ zeros past the sequence ends and clip the store there.
 Which key tiles a query tile walks: a band's run of tiles from its first, or a BlockMask's
 list for the query tile's row of mask tiles (full tiles first; each mask tile, a multiple of
 64 on each side, cut into 64 x 64 kernel tiles). The same pipeline runs either way; only the
-key index of tile j and its masking differ (_walk_tile).
+key index of tile j and its masking differ (walk_tile).
 
 Work per (batch, head): FLOPs 4 * Sq * (keys walked) * D, bytes Q, O once and K, V once per
 query tile (from L2: neighbouring tiles share most of their keys). Scores are in log2 units
@@ -63,7 +63,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernelforge.reference.attention import Visibility
 from kernelforge.triton._launch import cdiv, launch
-from kernelforge.triton.attention_visibility import _in_band, _row_range
+from kernelforge.triton.attention_visibility import in_band, row_range
 
 HEAD_DIMS = (64, 128)
 DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -89,9 +89,9 @@ def _band_tiles(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M: gl.constexpr, BLOCK_N: gl
                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
     """Key range of query rows [m0, m0 + BLOCK_M): first key tile `lo`, tile count (at least
     one: a tile past every visible key is fully masked), and [full_lo, full_hi), the tiles
-    inside every bound: the Triton kernels' _row_range (scalar integer math, which Gluon
+    inside every bound: the Triton kernels' row_range (scalar integer math, which Gluon
     traces as Triton does)."""
-    lo, full_lo, full_hi, hi = _row_range(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    lo, full_lo, full_hi, hi = row_range(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     lo = gl.minimum(lo, gl.maximum(Sk - 1, 0) // BLOCK_N * BLOCK_N)  # keep the (masked) first tile in range
     tiles = gl.maximum(gl.cdiv(hi - lo, BLOCK_N), 1)
     return lo, tiles, full_lo, full_hi
@@ -121,7 +121,7 @@ def key_walk(b, h, m0, COUNTS, scb, sch, sbb, sbh, NUM_MB_K, Sq, Sk, off, LEFT, 
 
 
 @gluon.jit
-def _issue_tile(desc, bufs, ready, b, head, row0, slot, pred):
+def issue_tile(desc, bufs, ready, b, head, row0, slot, pred):
     """TMA load of the tile of rows [row0, row0 + block) of (b, head) into ring slot `slot`,
     completing on its barrier (here K and V tiles: each has its own ring, as the S MMA needs
     only K and frees it first)."""
@@ -170,7 +170,7 @@ def invalidate_rings(one_ready, a_ready, b_ready, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _walk_tile(t, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK: gl.constexpr,
+def walk_tile(t, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK: gl.constexpr,
                BLOCK_SPARSE: gl.constexpr, MB: gl.constexpr, HAS_BAND: gl.constexpr):
     """The t-th tile of a program's walk (key tiles of a query tile in the forward and dQ,
     query tiles of a key tile in dK/dV): its first index, its partial-tile id (-1: none; -2:
@@ -198,7 +198,7 @@ def _walk_tile(t, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK
 
 
 @gluon.jit
-def _tile_words(WORDS, partial_id, r0, c0, tile_rows, BLOCK_SPARSE: gl.constexpr, MB_R: gl.constexpr,
+def tile_words(WORDS, partial_id, r0, c0, tile_rows, BLOCK_SPARSE: gl.constexpr, MB_R: gl.constexpr,
                 MB_C: gl.constexpr):
     """A partial tile's bits, one 64-bit word a tile row: BlockMask.partial_words for tiles with
     query rows [r0, ...) and keys [c0, c0 + 64) (the forward's, dQ's), partial_words_t for tiles
@@ -216,7 +216,7 @@ def _tile_words(WORDS, partial_id, r0, c0, tile_rows, BLOCK_SPARSE: gl.constexpr
 
 
 @gluon.jit
-def _tile_visible(i, j, words, bit, partial_id, Sq, Sk, off, LEFT, RIGHT, HAS_LEFT: gl.constexpr,
+def tile_visible(i, j, words, bit, partial_id, Sq, Sk, off, LEFT, RIGHT, HAS_LEFT: gl.constexpr,
                   HAS_RIGHT: gl.constexpr, BLOCK_SPARSE: gl.constexpr, HALVES: gl.constexpr):
     """Which (query i, key j) pairs of an edge tile are seen (broadcastable index tiles, either
     orientation): the band and the tails, and a partial tile's bits (bit `bit` of the tile row's
@@ -224,7 +224,7 @@ def _tile_visible(i, j, words, bit, partial_id, Sq, Sk, off, LEFT, RIGHT, HAS_LE
     the word's 32-bit halves: dK/dV at d128, whose registers are full, spills 280 bytes on the
     64-bit shifts and 28 on the halves (compiled for sm_90a); the forward keeps the 64-bit
     shift it was measured with."""
-    ok = _in_band(i, j, Sq, Sk, off, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT)
+    ok = in_band(i, j, Sq, Sk, off, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT)
     if BLOCK_SPARSE:
         if HALVES:
             half = gl.where(bit < 32, words.to(gl.int32)[:, None], (words >> 32).to(gl.int32)[:, None])
@@ -242,7 +242,7 @@ def _tile_softmax(s, m_i, l_i, n0, partial_id, edge, words, rows, cols, Sq, Sk, 
     partial tile's bits), the new running max (log2 units) and sum, P, and
     alpha = exp2(m_old - m_new) for the accumulator."""
     if edge:  # bit c of a row's word: key n0 + c
-        ok = _tile_visible(rows[:, None], n0 + cols[None, :], words, cols[None, :], partial_id, Sq, Sk, off, LEFT,
+        ok = tile_visible(rows[:, None], n0 + cols[None, :], words, cols[None, :], partial_id, Sq, Sk, off, LEFT,
                            RIGHT, HAS_LEFT, HAS_RIGHT, BLOCK_SPARSE, False)
         s = gl.where(ok, s, float("-inf"))
     # qk_scale > 0: max(s) * scale is the max of the scaled scores; s * scale - m is one FMA
@@ -283,10 +283,10 @@ def forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE, COUNTS, BLOCKS, PARTIAL,
     mbarrier.expect(q_ready, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], q_ready, q_buf)
     for st in gl.static_range(STAGES):
-        n0, partial_id, edge = _walk_tile(st, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
+        n0, partial_id, edge = walk_tile(st, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
                                          BLOCK_SPARSE, MB_K, HAS_BAND)
-        _issue_tile(k_desc, k_bufs, k_ready, b, hk, n0, st, st < tiles)
-        _issue_tile(v_desc, v_bufs, v_ready, b, hk, n0, st, st < tiles)
+        issue_tile(k_desc, k_bufs, k_ready, b, hk, n0, st, st < tiles)
+        issue_tile(v_desc, v_bufs, v_ready, b, hk, n0, st, st < tiles)
 
     q = q_buf.reshape([BLOCK_M, HEAD_DIM])
     rows = m0 + gl.arange(0, BLOCK_M, layout=s_rows)
@@ -300,14 +300,14 @@ def forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE, COUNTS, BLOCKS, PARTIAL,
     s = warpgroup_mma(q, k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                       use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
-    n_ahead, _, _ = _walk_tile(STAGES, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
+    n_ahead, _, _ = walk_tile(STAGES, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
                               BLOCK_SPARSE, MB_K, HAS_BAND)
-    _issue_tile(k_desc, k_bufs, k_ready, b, hk, n_ahead, 0, STAGES < tiles)  # K slot 0 is free
+    issue_tile(k_desc, k_bufs, k_ready, b, hk, n_ahead, 0, STAGES < tiles)  # K slot 0 is free
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, s_rows)
     l_i = gl.zeros([BLOCK_M], gl.float32, s_rows)
-    n0, partial_id, edge = _walk_tile(0, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
+    n0, partial_id, edge = walk_tile(0, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
                                      BLOCK_SPARSE, MB_K, HAS_BAND)
-    words = _tile_words(WORDS, partial_id, m0, n0, tile_rows, BLOCK_SPARSE, MB_Q, MB_K)
+    words = tile_words(WORDS, partial_id, m0, n0, tile_rows, BLOCK_SPARSE, MB_Q, MB_K)
     p, m_i, l_i, alpha = _tile_softmax(s, m_i, l_i, n0, partial_id, edge, words, rows, cols, Sq, Sk, off, LEFT,
                                        RIGHT, qk_scale, HAS_LEFT, HAS_RIGHT, BLOCK_SPARSE)
     p = gl.convert_layout(p.to(dtype), p_layout)
@@ -319,23 +319,23 @@ def forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE, COUNTS, BLOCKS, PARTIAL,
         mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
         s = warpgroup_mma(q, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                           use_acc=False, is_async=True)
-        n0, partial_id, edge = _walk_tile(j, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
+        n0, partial_id, edge = walk_tile(j, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
                                          BLOCK_SPARSE, MB_K, HAS_BAND)
-        words = _tile_words(WORDS, partial_id, m0, n0, tile_rows, BLOCK_SPARSE, MB_Q, MB_K)
+        words = tile_words(WORDS, partial_id, m0, n0, tile_rows, BLOCK_SPARSE, MB_Q, MB_K)
         mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
         acc = warpgroup_mma(p, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))
         # S_j is done with K slot `stage`: refill it with K tile j + STAGES under the softmax
-        n_ahead, _, _ = _walk_tile(j + STAGES, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
+        n_ahead, _, _ = walk_tile(j + STAGES, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
                                   BLOCK_SPARSE, MB_K, HAS_BAND)
-        _issue_tile(k_desc, k_bufs, k_ready, b, hk, n_ahead, stage, j + STAGES < tiles)
+        issue_tile(k_desc, k_bufs, k_ready, b, hk, n_ahead, stage, j + STAGES < tiles)
         p_next, m_i, l_i, alpha = _tile_softmax(s, m_i, l_i, n0, partial_id, edge, words, rows, cols, Sq, Sk, off,
                                                 LEFT, RIGHT, qk_scale, HAS_LEFT, HAS_RIGHT, BLOCK_SPARSE)
         acc, p = warpgroup_mma_wait(0, deps=(acc, p))
         # P_{j-1} V_{j-1} is done with V slot `prev`: refill it with V tile j - 1 + STAGES
-        n_ahead, _, _ = _walk_tile(j - 1 + STAGES, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
+        n_ahead, _, _ = walk_tile(j - 1 + STAGES, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
                                   BLOCK_SPARSE, MB_K, HAS_BAND)
-        _issue_tile(v_desc, v_bufs, v_ready, b, hk, n_ahead, prev, j - 1 + STAGES < tiles)
+        issue_tile(v_desc, v_bufs, v_ready, b, hk, n_ahead, prev, j - 1 + STAGES < tiles)
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         p = gl.convert_layout(p_next.to(dtype), p_layout)
 
@@ -401,7 +401,7 @@ def _shared_layout(rows: int, head_dim: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], DTYPES[dtype])
 
 
-def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+def tma_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[-1]],
                             _shared_layout(rows, t.shape[-1], t.dtype))
 
@@ -429,8 +429,8 @@ def _arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
     H, Sq, Hkv, Sk = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
     bm = vis.block_mask
     lists, mb_q, mb_k = list_arguments(bm, "kv", lse)
-    args = (_descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(out, BLOCK_M),
-            lse, *lists, H, H // Hkv, Sq, Sk, Sk - Sq, vis.left if vis.left is not None else 0,
+    args = (tma_descriptor(q, BLOCK_M), tma_descriptor(k, BLOCK_N), tma_descriptor(v, BLOCK_N),
+            tma_descriptor(out, BLOCK_M), lse, *lists, H, H // Hkv, Sq, Sk, Sk - Sq, vis.left if vis.left is not None else 0,
             vis.right if vis.right is not None else 0, scale * LOG2E)
     constexprs = dict(HAS_LEFT=vis.left is not None, HAS_RIGHT=vis.right is not None, BLOCK_SPARSE=bm is not None,
                       MB_Q=mb_q, MB_K=mb_k, STAGES=ring_stages(q.shape[-1], vis), num_warps=NUM_WARPS)

@@ -9,7 +9,7 @@ shared memory as wgmma operands, the two score MMAs of a step run asynchronously
 elementwise work, and P^T and dS^T feed the next MMAs from registers.
 
 dK/dV (dkdv_kernel): one warpgroup a 64-key tile of one (batch, kv head); it walks the query
-tiles that see the key tile (_col_range), for every q head of the group, as one loop:
+tiles that see the key tile (col_range), for every q head of the group, as one loop:
 
     issue S^T = K Q_i^T and dP^T = V dO_i^T   (async wgmma, both operands in shared memory)
     wait S^T; P^T = exp2(S^T * scale - lse_i)  (masked on edge tiles)
@@ -29,7 +29,7 @@ listed: dQ = 0); dK/dV walks its key tile's list of query tiles (BlockMask.q_*) 
 head of the group, so the lists must not differ between those heads. Full tiles take no
 per-element work; partial ones test their bits, one 64-bit word a tile row loaded before the
 wait for the scores (partial_words for dQ, partial_words_t for dK/dV, whose score tiles run
-keys down), in 32-bit halves in dK/dV (_tile_visible says why).
+keys down), in 32-bit halves in dK/dV (tile_visible says why).
 
 Work per tile pair of 64 x 64: dK/dV 4 MMAs and dQ 3, each 2 * 64 * 64 * D FLOPs (S and dP
 are computed twice: a fused kernel would add dQ by atomics instead). Bytes: K, V, dK, dV once
@@ -74,11 +74,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernelforge.reference.attention import Visibility
 from kernelforge.triton._launch import cdiv, launch
-from kernelforge.triton.attention_gluon import (DTYPES, ENABLED, HEAD_DIMS, LOG2E, _descriptor, _issue_tile,
-                                                _tile_visible, _tile_words, _tma_ready, _walk_tile, invalidate_rings,
+from kernelforge.triton.attention_gluon import (DTYPES, ENABLED, HEAD_DIMS, LOG2E, invalidate_rings, issue_tile,
                                                 key_walk, list_arguments, one_and_two_rings, query_tile_program,
-                                                ring_stages, sm90_usage)
-from kernelforge.triton.attention_visibility import _col_range
+                                                ring_stages, sm90_usage, tile_visible, tile_words, tma_descriptor,
+                                                tma_ready, walk_tile)
+from kernelforge.triton.attention_visibility import col_range
 
 BLOCK_M = 64  # query rows a step (dK/dV) or a program (dQ): one warpgroup's wgmma height
 BLOCK_N = 64  # keys a program (dK/dV) or a step (dQ)
@@ -155,7 +155,7 @@ def _query_step(t, per_head, hk, GROUP, lo, full_lo, full_hi, list_base, count, 
                 BLOCK_M: gl.constexpr, BLOCK_SPARSE: gl.constexpr, MB_Q: gl.constexpr, HAS_BAND: gl.constexpr):
     """Step t of a dK/dV program's walk, the query tiles of each q head of its group in turn:
     (q head, first row, partial-tile id, whether it needs per-element masking)."""
-    m0, partial_id, edge = _walk_tile(t % per_head, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL,
+    m0, partial_id, edge = walk_tile(t % per_head, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL,
                                       BLOCK_M, BLOCK_SPARSE, MB_Q, HAS_BAND)
     return hk * GROUP + t // per_head, m0, partial_id, edge
 
@@ -186,7 +186,7 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, del
         list_base = b * sbb + hk * GROUP * sbh + (n0 // MB_K) * NUM_MB_Q
         per_head = count * (MB_Q // BLOCK_M)
     else:
-        lo, full_lo, full_hi, hi = _col_range(n0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        lo, full_lo, full_hi, hi = col_range(n0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         per_head = gl.cdiv(hi - lo, BLOCK_M)
         count = 0
         list_base = 0
@@ -233,14 +233,14 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, del
         dpT = warpgroup_mma(v, do_i.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         rows = m0 + cols
         # a word a key row (two loads a thread), issued before the wait for S^T
-        words = _tile_words(WORDS, partial_id, n0, m0, key_bits, BLOCK_SPARSE, MB_K, MB_Q)
+        words = tile_words(WORDS, partial_id, n0, m0, key_bits, BLOCK_SPARSE, MB_K, MB_Q)
         row_base = (b * H + h).to(gl.int64) * Sq
         lse2 = _log2_lse(_step_rows(lse_bufs, slot, LSE, row_base, rows, Sq, float("-inf"), ROWS_TMA))
         if ROWS_TMA:  # P = 0 past Sq (Q's rows there are zeros, and so is the ring's lse)
             lse2 = gl.where(rows < Sq, lse2, float("inf"))
         sT = warpgroup_mma_wait(1, deps=(sT,))
         if edge:
-            ok = _tile_visible(rows[None, :], keys[:, None], words, cols[None, :], partial_id, Sq, Sk, off, LEFT, RIGHT,
+            ok = tile_visible(rows[None, :], keys[:, None], words, cols[None, :], partial_id, Sq, Sk, off, LEFT, RIGHT,
                                HAS_LEFT, HAS_RIGHT, BLOCK_SPARSE, True)
             sT = gl.where(ok, sT, float("-inf"))
         pT = gl.exp2(sT * qk_scale - lse2[None, :])
@@ -322,10 +322,10 @@ def dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, O, sob, soh,
     q_buf, do_buf, qdo_ready, k_bufs, k_ready, v_bufs, v_ready = _pair_and_two_rings(q_desc, do_desc, k_desc, v_desc,
                                                                                      b, h, m0, STAGES)
     for st in gl.static_range(STAGES):
-        n_st, _, _ = _walk_tile(st, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N, BLOCK_SPARSE,
+        n_st, _, _ = walk_tile(st, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N, BLOCK_SPARSE,
                                 MB_K, HAS_BAND)
-        _issue_tile(k_desc, k_bufs, k_ready, b, hk, n_st, st, st < tiles)
-        _issue_tile(v_desc, v_bufs, v_ready, b, hk, n_st, st, st < tiles)
+        issue_tile(k_desc, k_bufs, k_ready, b, hk, n_st, st, st < tiles)
+        issue_tile(v_desc, v_bufs, v_ready, b, hk, n_st, st, st < tiles)
 
     q = q_buf.reshape([BLOCK_M, HEAD_DIM])
     do = do_buf.reshape([BLOCK_M, HEAD_DIM])
@@ -347,7 +347,7 @@ def dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, O, sob, soh,
     for j in range(tiles):
         slot = j % STAGES
         phase = (j // STAGES) & 1
-        n0, partial_id, edge = _walk_tile(j, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
+        n0, partial_id, edge = walk_tile(j, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
                                           BLOCK_SPARSE, MB_K, HAS_BAND)
         k_j = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
         mbarrier.wait(k_ready.index(slot), phase)
@@ -355,23 +355,23 @@ def dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, O, sob, soh,
         mbarrier.wait(v_ready.index(slot), phase)
         dp = warpgroup_mma(do, v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                            use_acc=False, is_async=True)
-        words = _tile_words(WORDS, partial_id, m0, n0, rows - m0, BLOCK_SPARSE, MB_Q, MB_K)
+        words = tile_words(WORDS, partial_id, m0, n0, rows - m0, BLOCK_SPARSE, MB_Q, MB_K)
         s = warpgroup_mma_wait(1, deps=(s,))
         if edge:
-            ok = _tile_visible(rows[:, None], n0 + cols[None, :], words, cols[None, :], partial_id, Sq, Sk, off, LEFT,
+            ok = tile_visible(rows[:, None], n0 + cols[None, :], words, cols[None, :], partial_id, Sq, Sk, off, LEFT,
                                RIGHT, HAS_LEFT, HAS_RIGHT, BLOCK_SPARSE, False)
             s = gl.where(ok, s, float("-inf"))
         p = gl.exp2(s * qk_scale - lse2[:, None])
         dp = warpgroup_mma_wait(0, deps=(dp,))
         # V slot `slot` is free: fetch tile j + STAGES into it (K and V on one barrier, both
         # fetched here, was slower)
-        n_ahead, _, _ = _walk_tile(j + STAGES, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
+        n_ahead, _, _ = walk_tile(j + STAGES, lo, full_lo, full_hi, list_base, count, BLOCKS, PARTIAL, BLOCK_N,
                                    BLOCK_SPARSE, MB_K, HAS_BAND)
-        _issue_tile(v_desc, v_bufs, v_ready, b, hk, n_ahead, slot, j + STAGES < tiles)
+        issue_tile(v_desc, v_bufs, v_ready, b, hk, n_ahead, slot, j + STAGES < tiles)
         ds_op = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), op_layout)
         dq = warpgroup_mma(ds_op, k_j, dq, is_async=True)
         dq, ds_op = warpgroup_mma_wait(0, deps=(dq, ds_op))
-        _issue_tile(k_desc, k_bufs, k_ready, b, hk, n_ahead, slot, j + STAGES < tiles)
+        issue_tile(k_desc, k_bufs, k_ready, b, hk, n_ahead, slot, j + STAGES < tiles)
 
     invalidate_rings(qdo_ready, k_ready, v_ready, STAGES)
     q.store((dq * scale).to(dtype))  # dQ leaves through Q's buffer (every MMA is done)
@@ -403,13 +403,14 @@ def takes(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     """Whether this backward runs these inputs: may_take, the output's gradient in q's dtype, and
     q, k, v and the output's gradient TMA-able."""
     return (may_take(q, k, v, vis, capability) and grad_out.dtype == q.dtype
-            and all(_tma_ready(t) for t in (q, k, v, grad_out)))
+            and tma_ready(q, k, v, grad_out))
 
 
 def _input_descriptors(q, k, v, grad_out, block_m: int = BLOCK_M, block_n: int = BLOCK_N) -> tuple:
     """TMA descriptors of q, k, v and the output's gradient, which both kernels read the same
     way: built once a backward (~3 us of host time each)."""
-    return _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m)
+    return (tma_descriptor(q, block_m), tma_descriptor(k, block_n), tma_descriptor(v, block_n),
+            tma_descriptor(grad_out, block_m))
 
 
 def _row_descriptors(lse: torch.Tensor, delta: torch.Tensor, block: int) -> tuple | None:
@@ -432,7 +433,7 @@ def _arguments(kernel_out: tuple, q, k, v, grad_out, lse, delta, scale: float, v
     H, Sq, Hkv, Sk = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
     dkdv = len(kernel_out) == 2
     inputs = inputs or _input_descriptors(q, k, v, grad_out, block_m, block_n)
-    outs = tuple(_descriptor(t, block_n if dkdv else block_m) for t in kernel_out)
+    outs = tuple(tma_descriptor(t, block_n if dkdv else block_m) for t in kernel_out)
     lists, mb_q, mb_k = list_arguments(vis.block_mask, "q" if dkdv else "kv", lse)
     if vis.block_mask is None:
         mb_q, mb_k = block_m, block_n

@@ -24,12 +24,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernelforge.triton.attention_visibility import (EDGE_AT_RUN_TIME, LN2, LOG2E, _col_range,  # noqa: F401
-                                                     _masked_scores, _row_range)
+from kernelforge.triton.attention_visibility import (EDGE_AT_RUN_TIME, LN2, LOG2E, col_range,  # noqa: F401
+                                                     masked_scores, row_range)
 
 
 @triton.jit
-def _finish_rows(acc, m_i, l_i):
+def finish_rows(acc, m_i, l_i):
     """(out = acc / l, lse in log2 units = m + log2 l) of rows that saw keys; (0, -inf) for
     rows that saw none (l = 0). A NaN l (a NaN score, or inf - inf) is "seen": NaN out and lse."""
     seen = l_i != 0
@@ -62,7 +62,7 @@ def _query_tile(Q, K, V, MASK, sqb, sqh, sqm, skb, skh, svb, svh, smb, smh, H, G
 
 # ----------------------------------------------------------------------------- forward
 @triton.jit
-def _forward_tile(acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
+def forward_tile(acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
                   Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, bits_base, partial_id, edge,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, MASKED: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
@@ -76,7 +76,7 @@ def _forward_tile(acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if MASKED == EDGE_AT_RUN_TIME or not (MASKED or MASK_KIND != 0):
         if MASKED == EDGE_AT_RUN_TIME:  # no additive term: -inf on the raw scores hides a pair as well
-            qk = _masked_scores(qk, offs_m[:, None], cols[None, :], Sq, Sk, off, LEFT, RIGHT, mask_base, smm, smn,
+            qk = masked_scores(qk, offs_m[:, None], cols[None, :], Sq, Sk, off, LEFT, RIGHT, mask_base, smm, smn,
                                 bits_base, partial_id, edge, MASKED, HAS_LEFT, HAS_RIGHT, 0, False, MB_Q, MB_K)
         # scale > 0, so max(qk) * scale is the max of the scaled scores; qk * scale - m is one FMA
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
@@ -85,7 +85,7 @@ def _forward_tile(acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(qk * qk_scale - m_use[:, None])
     else:
-        s = _masked_scores(qk * qk_scale, offs_m[:, None], cols[None, :], Sq, Sk, off, LEFT, RIGHT, mask_base,
+        s = masked_scores(qk * qk_scale, offs_m[:, None], cols[None, :], Sq, Sk, off, LEFT, RIGHT, mask_base,
                            smm, smn, bits_base, partial_id, edge, MASKED, HAS_LEFT, HAS_RIGHT, MASK_KIND,
                            BLOCK_SPARSE, MB_Q, MB_K)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -135,7 +135,7 @@ def flash_forward_kernel(
         for t in range(0, full):  # full tiles: inside Sq x Sk, no bits (the band, if any, still masks)
             kb = tl.load(BLOCKS + list_base + t)
             for sub in tl.static_range(MB_K // BLOCK_N):
-                acc, m_i, l_i = _forward_tile(
+                acc, m_i, l_i = forward_tile(
                     acc, m_i, l_i, q, k_base, v_base, skn, svn, kb * MB_K + sub * BLOCK_N, offs_m, offs_n, offs_d,
                     offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, True,
                     HEAD_DIM, HEAD_DIM_V, HAS_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
@@ -143,36 +143,36 @@ def flash_forward_kernel(
             kb = tl.load(BLOCKS + list_base + t)
             partial_id = tl.load(PARTIAL + list_base + t)
             for sub in tl.static_range(MB_K // BLOCK_N):
-                acc, m_i, l_i = _forward_tile(
+                acc, m_i, l_i = forward_tile(
                     acc, m_i, l_i, q, k_base, v_base, skn, svn, kb * MB_K + sub * BLOCK_N, offs_m, offs_n, offs_d,
                     offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, partial_id, True,
                     HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, True, MB_Q, MB_K, PRECISION)
     else:
-        lo, full_lo, full_hi, hi = _row_range(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        lo, full_lo, full_hi, hi = row_range(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         if ONE_LOOP:
             for n0 in range(lo, hi, BLOCK_N):
-                acc, m_i, l_i = _forward_tile(
+                acc, m_i, l_i = forward_tile(
                     acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
                     Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, (n0 < full_lo) | (n0 >= full_hi),
                     HEAD_DIM, HEAD_DIM_V, EDGE_AT_RUN_TIME, HAS_LEFT, HAS_RIGHT, 0, False, MB_Q, MB_K, PRECISION)
         else:
             for n0 in range(lo, full_lo, BLOCK_N):
-                acc, m_i, l_i = _forward_tile(
+                acc, m_i, l_i = forward_tile(
                     acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
                     Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, True,
                     HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
             for n0 in range(full_lo, full_hi, BLOCK_N):
-                acc, m_i, l_i = _forward_tile(
+                acc, m_i, l_i = forward_tile(
                     acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
                     Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, False,
                     HEAD_DIM, HEAD_DIM_V, False, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
             for n0 in range(full_hi, hi, BLOCK_N):
-                acc, m_i, l_i = _forward_tile(
+                acc, m_i, l_i = forward_tile(
                     acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
                     Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, True,
                     HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
 
-    out, lse2 = _finish_rows(acc, m_i, l_i)
+    out, lse2 = finish_rows(acc, m_i, l_i)
     row_ok = offs_m < Sq
     tl.store(LSE + pid_bh.to(tl.int64) * Sq + offs_m, lse2 * LN2, mask=row_ok)
     o_base = O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
@@ -227,7 +227,7 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_row, delta_row, sqm, sdm, m0, 
     lse2 = _lse2(lse_row, rows, Sq)
     delta = tl.load(delta_row + rows, mask=rows < Sq, other=0.0)
     sT = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
-    sT = _masked_scores(sT, rows[None, :], offs_n[:, None], Sq, Sk, off, LEFT, RIGHT, mask_base, smm, smn,
+    sT = masked_scores(sT, rows[None, :], offs_n[:, None], Sq, Sk, off, LEFT, RIGHT, mask_base, smm, smn,
                         bits_base, partial_id, edge, MASKED, HAS_LEFT, HAS_RIGHT, MASK_KIND, BLOCK_SPARSE, MB_Q, MB_K)
     pT = tl.math.exp2(sT - lse2[None, :])
     dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
@@ -304,7 +304,7 @@ def flash_backward_dkdv_kernel(
                                         RIGHT, qk_scale, mask_base, smm, smn, BITS, partial_id, True, HEAD_DIM,
                                         HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, True, MB_Q, MB_K, PRECISION)
         else:
-            lo, full_lo, full_hi, hi = _col_range(n0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+            lo, full_lo, full_hi, hi = col_range(n0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
             if ONE_LOOP:
                 for m0 in range(lo, hi, BLOCK_M):
                     dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm, m0,
@@ -360,7 +360,7 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_
     v = tl.load(v_base + cols[:, None] * svn + offs_dv[None, :], mask=kv_rows & (offs_dv[None, :] < HEAD_DIM_V),
                 other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    s = _masked_scores(s, offs_m[:, None], cols[None, :], Sq, Sk, off, LEFT, RIGHT, mask_base, smm, smn,
+    s = masked_scores(s, offs_m[:, None], cols[None, :], Sq, Sk, off, LEFT, RIGHT, mask_base, smm, smn,
                        bits_base, partial_id, edge, MASKED, HAS_LEFT, HAS_RIGHT, MASK_KIND, BLOCK_SPARSE, MB_Q, MB_K)
     p = tl.math.exp2(s - lse2[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -414,7 +414,7 @@ def flash_backward_dq_kernel(
                               partial_id, True, HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, True,
                               MB_Q, MB_K, PRECISION)
     else:
-        lo, full_lo, full_hi, hi = _row_range(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        lo, full_lo, full_hi, hi = row_range(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         if ONE_LOOP:
             for n0 in range(lo, hi, BLOCK_N):
                 dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,

@@ -26,7 +26,7 @@ EDGE_AT_RUN_TIME = tl.constexpr(2)
 
 # ----------------------------------------------------------------------------- shared pieces
 @triton.jit
-def _in_band(i, j, Sq, Sk, off, LEFT, RIGHT, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+def in_band(i, j, Sq, Sk, off, LEFT, RIGHT, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     ok = (i < Sq) & (j < Sk)
     if HAS_LEFT:
         ok = ok & (j >= i + off - LEFT)
@@ -36,7 +36,7 @@ def _in_band(i, j, Sq, Sk, off, LEFT, RIGHT, HAS_LEFT: tl.constexpr, HAS_RIGHT: 
 
 
 @triton.jit
-def _masked_scores(s, i, j, Sq, Sk, off, LEFT, RIGHT, mask_base, smm, smn, bits_base, partial_id, edge,
+def masked_scores(s, i, j, Sq, Sk, off, LEFT, RIGHT, mask_base, smm, smn, bits_base, partial_id, edge,
                    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    MASK_KIND: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MB_Q: tl.constexpr, MB_K: tl.constexpr):
     """Scores s of query rows i and key columns j (broadcastable index tiles, either
@@ -48,9 +48,9 @@ def _masked_scores(s, i, j, Sq, Sk, off, LEFT, RIGHT, mask_base, smm, smn, bits_
         s += tl.load(mask_base + i * smm + j * smn, mask=inside, other=0.0).to(tl.float32) * LOG2E
     if MASKED == EDGE_AT_RUN_TIME:
         if edge:
-            s = tl.where(_in_band(i, j, Sq, Sk, off, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
+            s = tl.where(in_band(i, j, Sq, Sk, off, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
     elif MASKED:
-        ok = _in_band(i, j, Sq, Sk, off, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT)
+        ok = in_band(i, j, Sq, Sk, off, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT)
         if MASK_KIND == 1:
             ok = ok & (tl.load(mask_base + i * smm + j * smn, mask=inside, other=0) != 0)
         if BLOCK_SPARSE:
@@ -64,7 +64,7 @@ def _masked_scores(s, i, j, Sq, Sk, off, LEFT, RIGHT, mask_base, smm, smn, bits_
 
 
 @triton.jit
-def _row_range(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def row_range(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """Key tiles for query rows [m0, m0 + BLOCK_M): [lo, full_lo) and [full_hi, hi) need
     masking, [full_lo, full_hi) lie inside every bound. lo, full_lo, full_hi are multiples
@@ -87,9 +87,9 @@ def _row_range(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M: tl.constexpr, BLOCK_N: tl.
 
 
 @triton.jit
-def _col_range(n0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def col_range(n0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """Query tiles that see some key of [n0, n0 + BLOCK_N) (the transpose of _row_range):
+    """Query tiles that see some key of [n0, n0 + BLOCK_N) (the transpose of row_range):
     [lo, full_lo) and [full_hi, hi) need masking, [full_lo, full_hi) none."""
     n_last = tl.minimum(n0 + BLOCK_N, Sk) - 1
     lo = 0

@@ -33,7 +33,7 @@ import triton.language as tl
 from kernelforge.triton import interpreter_enabled
 from kernelforge.triton._launch import launch, next_power_of_2, on_device
 from kernelforge.triton.masks import block_and_scalar
-from kernelforge.triton.softmax import LOG2E, _log
+from kernelforge.triton.softmax import LOG2E, natural_log
 
 # Elements of a row one step of the walk holds at most (16 KB of bf16): 8192 measured no faster.
 BLOCK_CLASSES = 4096
@@ -83,7 +83,7 @@ def cross_entropy_forward_kernel(
         running_max = new_max
         if SMOOTHING:
             row_total += tl.where(mask, x, 0.0)
-    lse = running_max + _log(running_sum, PRECISE)
+    lse = running_max + natural_log(running_sum, PRECISE)
     in_range = (target >= 0) & (target < n_classes)
     target_logit = tl.load(base + target, mask=in_range & ~ignored, other=0.0).to(tl.float32)
     if SOFTCAP:

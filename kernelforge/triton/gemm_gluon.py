@@ -15,7 +15,7 @@ float32 accumulator while the tensor cores compute the next one (_accumulate_pro
 
 Work per output tile (BLOCK_M x BLOCK_N): 2 * BLOCK_M * BLOCK_N * K FLOPs; bytes: A's
 BLOCK_M x K and B's K x BLOCK_N panels (from L2 for all but the first tile of a group:
-GROUP_M tile rows walk one column panel of b, as gemm_kernels._tile_coordinates), c once;
+GROUP_M tile rows walk one column panel of b, as gemm_kernels.tile_coordinates), c once;
 with the epilogue + BLOCK_N of bias, + BLOCK_M + BLOCK_N scales (fp8), + the residual tile
 read and the pre-activation tile written (the backward's act' input).
 """
@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernelforge.triton._launch import cdiv, launch
-from kernelforge.triton.gemm_kernels import _bias_activation, _dequantized, _tile_coordinates
+from kernelforge.triton.gemm_kernels import bias_activation, dequantized, tile_coordinates
 from kernelforge.triton.tma_descriptors import descriptor_template, rebased
 
 FP8 = torch.float8_e4m3fn
@@ -50,7 +50,7 @@ def _loader(a_desc, b_desc, a_ring, b_ring, ready, empty, tiles_m, tiles_n, k_ti
     stage once the consumers have handed it back (empty), completing on its ready barrier."""
     step = 0
     for tile in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
-        _, pid_m, pid_n = _tile_coordinates(tile, tiles_m, tiles_n, GROUP_M)
+        _, pid_m, pid_n = tile_coordinates(tile, tiles_m, tiles_n, GROUP_M)
         for kk in range(k_tiles):
             stage = step % STAGES
             # a fresh barrier counts as having completed the phase before its first: the
@@ -183,13 +183,13 @@ def _epilogue(acc, off_m, off_n, c_desc, c_smem, res_desc, pre_desc, res_ready, 
     offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
     if SCALED:
         offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-        acc = _dequantized(acc, SA, SB, offs_m, offs_n, M, N, ssam, ssbn)
+        acc = dequantized(acc, SA, SB, offs_m, offs_n, M, N, ssam, ssbn)
     tma.store_wait(0)  # the last tile's store has left c_smem
     if SAVE_PREACT:
         c_smem.store(acc.to(c_desc.dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(pre_desc, [off_m, off_n], c_smem)
-    z = _bias_activation(acc, BIAS, offs_n, N, ACTIVATION, HAS_BIAS, PRECISE, BF16_OUT)
+    z = bias_activation(acc, BIAS, offs_n, N, ACTIVATION, HAS_BIAS, PRECISE, BF16_OUT)
     if HAS_RESIDUAL:
         tma.store_wait(0)  # the pre-activation has left c_smem
         mbarrier.expect(res_ready, res_desc.block_type.nbytes)
@@ -219,7 +219,7 @@ def _consumer(c_desc, res_desc, pre_desc, a_ring, b_ring, ready, empty, res_read
     step = 0
     done = 0
     for tile in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
-        _, pid_m, pid_n = _tile_coordinates(tile, tiles_m, tiles_n, GROUP_M)
+        _, pid_m, pid_n = tile_coordinates(tile, tiles_m, tiles_n, GROUP_M)
         if PROMOTE:
             acc, step = _accumulate_promoted(a_ring, b_ring, ready, empty, step, k_tiles, acc_layout, BLOCK_M,
                                              BLOCK_N, STAGES, A_M_MAJOR, B_K_MAJOR)

@@ -30,11 +30,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernelforge.triton.activations import _activation, _activation_for_bf16
+from kernelforge.triton.activations import activation, activation_for_bf16
 
 
 @triton.jit
-def _tile_coordinates(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+def tile_coordinates(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
     """(batch, tile row, tile column) of a linear tile index: within a batch, GROUP_M tile
     rows are walked column by column, so consecutive programs share b's column panel."""
     per_batch = tiles_m * tiles_n
@@ -76,7 +76,7 @@ def _operand(x, COMPUTE: tl.constexpr):
 
 
 @triton.jit
-def _dequantized(acc, SA, SB, offs_m, offs_n, M, N, ssam, ssbn):
+def dequantized(acc, SA, SB, offs_m, offs_n, M, N, ssam, ssbn):
     """acc * scale_a[m] * scale_b[n] (SA / SB at the tile's matrix; a stride 0 repeats one
     scale)."""
     scale_a = tl.load(SA + offs_m * ssam, mask=offs_m < M, other=0.0)
@@ -85,18 +85,18 @@ def _dequantized(acc, SA, SB, offs_m, offs_n, M, N, ssam, ssbn):
 
 
 @triton.jit
-def _bias_activation(acc, BIAS, offs_n, N, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
+def bias_activation(acc, BIAS, offs_n, N, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
                      PRECISE: tl.constexpr, BF16_OUT: tl.constexpr):
     """act(acc + bias) in float32 (also the Gluon kernel's, gemm_gluon._epilogue). BF16_OUT: the
     output is bfloat16, so the SFU's tanh is accurate enough (GPU only; see
-    _activation_for_bf16)."""
+    activation_for_bf16)."""
     z = acc
     if HAS_BIAS:
         z += tl.load(BIAS + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     if BF16_OUT and ACTIVATION != "none":
-        z = _activation_for_bf16(z, ACTIVATION, PRECISE)
+        z = activation_for_bf16(z, ACTIVATION, PRECISE)
     elif ACTIVATION != "none":
-        z = _activation(z, ACTIVATION, PRECISE)
+        z = activation(z, ACTIVATION, PRECISE)
     return z
 
 
@@ -107,12 +107,12 @@ def _epilogue(acc, offs_m, offs_n, M, N, BIAS, RES, PRE, srm, srn, spm, spn,
     """(act(acc + bias) + residual in float32, the in-range mask) of one output tile; stores
     acc (a @ b before the bias) to PRE when the backward needs it for act'. RES and PRE point
     at the tile's matrix (its batch already added). BF16_OUT: the output is bfloat16, so the
-    SFU's tanh is accurate enough (GPU only; see _activation_for_bf16)."""
+    SFU's tanh is accurate enough (GPU only; see activation_for_bf16)."""
     inside = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if SAVE_PREACT:
         tl.store(PRE + offs_m[:, None].to(tl.int64) * spm + offs_n[None, :] * spn, acc.to(PRE.dtype.element_ty),
                  mask=inside)
-    z = _bias_activation(acc, BIAS, offs_n, N, ACTIVATION, HAS_BIAS, PRECISE, BF16_OUT)
+    z = bias_activation(acc, BIAS, offs_n, N, ACTIVATION, HAS_BIAS, PRECISE, BF16_OUT)
     if HAS_RESIDUAL:
         z += tl.load(RES + offs_m[:, None].to(tl.int64) * srm + offs_n[None, :] * srn, mask=inside,
                      other=0.0).to(tl.float32)
@@ -137,7 +137,7 @@ def gemm_kernel(
     num_tiles = BATCH * tiles_m * tiles_n
     offs_k = tl.arange(0, BLOCK_K)
     for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
-        batch, pid_m, pid_n = _tile_coordinates(tile, tiles_m, tiles_n, GROUP_M)
+        batch, pid_m, pid_n = tile_coordinates(tile, tiles_m, tiles_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         # Rows / columns past the edge read row 0 / column 0 instead of masking every load:
@@ -165,7 +165,7 @@ def gemm_kernel(
             a_ptrs += BLOCK_K * sak
             b_ptrs += BLOCK_K * sbk
         if SCALED:
-            acc = _dequantized(acc, SA + batch.to(tl.int64) * ssab, SB + batch.to(tl.int64) * ssbb, offs_m, offs_n,
+            acc = dequantized(acc, SA + batch.to(tl.int64) * ssab, SB + batch.to(tl.int64) * ssbb, offs_m, offs_n,
                                M, N, ssam, ssbn)
         z, inside = _epilogue(acc, offs_m, offs_n, M, N, BIAS, RES + batch.to(tl.int64) * srb,
                               PRE + batch.to(tl.int64) * spb, srm, srn, spm, spn,
@@ -257,7 +257,7 @@ def gemm_tma_kernel(
     unit_c = tl.program_id(0) - NUM_PROGRAMS
     for unit in tl.range(tl.program_id(0), num_tiles * SPLIT_K, NUM_PROGRAMS, flatten=True):
         tile, k_first, k_stop = _split_k_unit(unit, num_tiles, K, BLOCK_K, SPLIT_K)
-        _, pid_m, pid_n = _tile_coordinates(tile, tiles_m, tiles_n, GROUP_M)
+        _, pid_m, pid_n = tile_coordinates(tile, tiles_m, tiles_n, GROUP_M)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for ki in range(k_first, k_stop):
             if A_K_CONTIGUOUS:
@@ -271,7 +271,7 @@ def gemm_tma_kernel(
             acc = tl.dot(a, b, acc, input_precision=PRECISION,
                          max_num_imprecise_acc=_promote_every(BLOCK_K) if FP8_PRECISE else None)
         unit_c += NUM_PROGRAMS
-        _, pid_m, pid_n = _tile_coordinates(unit_c % num_tiles, tiles_m, tiles_n, GROUP_M)
+        _, pid_m, pid_n = tile_coordinates(unit_c % num_tiles, tiles_m, tiles_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         if SPLIT_K > 1:
@@ -281,7 +281,7 @@ def gemm_tma_kernel(
             last = True
         if last:
             if SCALED:
-                acc = _dequantized(acc, SA, SB, offs_m, offs_n, M, N, ssam, ssbn)
+                acc = dequantized(acc, SA, SB, offs_m, offs_n, M, N, ssam, ssbn)
             z, _inside = _epilogue(acc, offs_m, offs_n, M, N, BIAS, RES, PRE, srm, srn, spm, spn,
                                    ACTIVATION, HAS_BIAS, HAS_RESIDUAL, SAVE_PREACT, PRECISE, BF16_OUT)
             c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], z.to(c_desc.dtype))

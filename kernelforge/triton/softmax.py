@@ -64,7 +64,7 @@ def _exp(x, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def _log(x, PRECISE: tl.constexpr):
+def natural_log(x, PRECISE: tl.constexpr):
     if PRECISE:
         return libdevice.log(x)
     else:
@@ -87,7 +87,7 @@ def _softmax_fwd_fused_kernel(
     e = tl.exp2(shifted * LOG2E)
     denom = tl.sum(e, axis=1)
     if LOG:
-        y = shifted - _log(denom, PRECISE)[:, None]
+        y = shifted - natural_log(denom, PRECISE)[:, None]
     else:
         y = e * (1.0 / denom)[:, None]
     tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -115,7 +115,7 @@ def _softmax_fwd_online_kernel(
         m = m_new
     # Pass 2: normalize. An all -inf row gives NaN, as torch.softmax does.
     inv_s = 1.0 / s
-    log_s = _log(s, PRECISE)
+    log_s = natural_log(s, PRECISE)
     for start in range(0, n_cols, BLOCK_N):
         mask = start + cols < n_cols
         x = tl.load(x_row + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)

@@ -131,10 +131,10 @@ def test_speedup_compares_rows_run_the_same_way():
     rows = [{**case, "impl": impl, "ms": ms} for impl, ms in (
         ("kernelforge", 0.040), ("sdpa", 0.016), ("sdpa flash", 0.024),
         ("kernelforge (CUDA graph)", 0.0098), ("sdpa (CUDA graph)", 0.0105), ("kernelforge[triton]", 0.039))]
-    best = {r["impl"]: report._best_baseline_ms(rows, r) for r in rows}
+    best = {r["impl"]: report.best_baseline_ms(rows, r) for r in rows}
     assert best["kernelforge"] == best["kernelforge[triton]"] == 0.016
     assert best["kernelforge (CUDA graph)"] == 0.0105
-    assert report._best_baseline_ms([r for r in rows if r["impl"] != "sdpa (CUDA graph)"], rows[3]) is None
+    assert report.best_baseline_ms([r for r in rows if r["impl"] != "sdpa (CUDA graph)"], rows[3]) is None
 
 
 def test_cli_bench_and_compare_end_to_end(tmp_path, monkeypatch, capsys):
@@ -230,7 +230,7 @@ def test_forced_backend_covers_the_backward():
     # their backend when autograd runs them, after the forward's use_backend has exited.
     from kernelforge import backends
     from kernelforge.bench.runner import prepare_call
-    from kernelforge.bench.suites import _forced
+    from kernelforge.bench.suites import forced
 
     seen = []
 
@@ -244,7 +244,7 @@ def test_forced_backend_covers_the_backward():
             seen.append(backends._forced[0])
             return grad * 2
 
-    prepare_call(_forced("reference", Probe.apply), (torch.randn(3),), "fwd+bwd")()
+    prepare_call(forced("reference", Probe.apply), (torch.randn(3),), "fwd+bwd")()
     assert seen == ["reference"]
     assert backends._forced[0] is None
 
@@ -370,3 +370,46 @@ def test_attention_predicates_see_q_k_v_the_mask_and_the_direction(monkeypatch):
     assert "kernelforge[reference]" not in kernelforge_implementations(suite, inputs, ["reference"], "fwd+bwd")
     shape = torch.Size((1, 2, 256, 32))
     assert calls == [(shape, shape, shape, 64, 0, False), (shape, shape, shape, 64, 0, True)]
+
+
+def test_gather_scatter_suite_runs_on_cpu(tmp_path, monkeypatch):
+    # --quick on the CPU: ours, the reference, index_select + index_add_ and its torch.compile,
+    # forward and forward+backward (the gradient of x; the ids take none).
+    from kernelforge.bench.suites import SUITES
+
+    monkeypatch.setenv("KERNELFORGE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(SUITES["gather_scatter"], "quick_shapes", [(4, 50, 4, 16, "mean")])  # one compile a direction
+    result = run_bench(["gather_scatter"], ["fp32"], "cpu", quick=True, repeat=2)
+    assert not [r for r in result["rows"] if "error" in r]
+    impls = {}
+    for r in result["rows"]:
+        impls.setdefault((r["shape"], r["direction"]), set()).add(r["impl"])
+        assert r["ms"] > 0 and r["gbps"] > 0
+    rows = {"kernelforge", "kernelforge[reference]", "torch eager", "torch.compile"}
+    assert impls == {("N200 E800 F16 mean", "fwd"): rows, ("N200 E800 F16 mean", "fwd+bwd"): rows}
+
+
+def test_gather_scatter_rows_compute_the_same_aggregation():
+    # ours (and the Triton kernel where it runs here: the interpreter) against index_select + index_add_
+    from kernelforge.bench.suites import SUITES, kernelforge_implementations
+
+    suite = SUITES["gather_scatter"]
+    for shape in suite.quick_shapes:
+        inputs = suite.make_inputs(shape, torch.float32, torch.device("cpu"))
+        expected = suite.kernelforge(*inputs)
+        candidates = {"torch eager": suite.baselines()["torch eager"],
+                      **kernelforge_implementations(suite, inputs, ["triton"])}
+        for name, fn in candidates.items():
+            torch.testing.assert_close(fn(*inputs), expected, atol=1e-5, rtol=1e-5, msg=f"{shape} {name}")
+
+
+def test_gather_scatter_costs():
+    from kernelforge.bench.suites import SUITES
+
+    suite = SUITES["gather_scatter"]
+    shape = (256, 400, 8, 128, "sum")  # the demo GNN's graph: N = 102400, E = 819200
+    assert shape in suite.shapes and suite.label(shape) == "N102400 E819200 F128 sum"
+    fwd = suite.cost(shape, torch.bfloat16, "fwd")
+    # each message gathered once, each output row written once; the backward as much again
+    assert fwd.bytes == (819200 + 102400) * 128 * 2 and not fwd.compute_bound
+    assert suite.cost(shape, torch.bfloat16, "fwd+bwd").bytes == 2 * fwd.bytes
