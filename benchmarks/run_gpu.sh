@@ -1,19 +1,18 @@
 #!/usr/bin/env bash
 # One device call: doctor, then the stages asked for, logs and results under $OUT.
-#   bash benchmarks/run_gpu.sh [build] [tests] [harness] [sweep] [overhead]   (default: build tests)
+#   bash benchmarks/run_gpu.sh [build] [tests] [harness] [sweep]   (default: build tests)
 #   build    compile every CUDA extension, in parallel, into .kfcache/ (kept on a warm machine)
 #   tests    the GPU suite (pytest -m gpu): op tests spread over 8 workers file by file (test by
 #            test, workers compile the same kernels at once: slower), then the timing tests alone
 #   focus    the GPU tests in $FOCUS_TESTS only (8 workers), e.g. FOCUS_TESTS="tests/ops/test_attention.py"
-#   attention-sweep  benchmarks/attention_sweep.py (tile sweep next to SDPA flash / cuDNN)
-#   window   benchmarks/window_experiment.py $WINDOW_ARGS (the sliding-window band walks, Flex)
-#   gemm-sweep  benchmarks/gemm_sweep.py $GEMM_SWEEP_ARGS (tile configs and a TMA kernel against cuBLAS)
-#   gemm-overhead  benchmarks/gemm_overhead.py (host cost per kf.gemm call, and its profile)
-#   host     benchmarks/host_overhead.py $HOST_ARGS (host time per call of every op against torch eager,
+#   attention-sweep  benchmarks/tuning/attention_sweep.py (tile sweep next to SDPA flash / cuDNN)
+#   gemm-sweep  benchmarks/tuning/gemm_sweep.py $GEMM_SWEEP_ARGS (tile configs and a TMA kernel against cuBLAS)
+#   gemm-overhead  benchmarks/tools/gemm_overhead.py (host cost per kf.gemm call, and its profile)
+#   host     benchmarks/tools/host_overhead.py $HOST_ARGS (host time per call of every op against torch eager,
 #            and where it goes; after build, so forced CUDA rows do not build extensions), JSON into results/
-#   backend-order  benchmarks/backend_order.py (device time of the CUDA extension against Triton where
+#   backend-order  benchmarks/tuning/backend_order.py (device time of the CUDA extension against Triton where
 #            an op has both: the measurement behind the ordering rules), JSON into results/
-#   profile  benchmarks/profile_ops.py $PROFILE_ARGS (device time per kernel, host profile per call)
+#   profile  benchmarks/tools/profile_ops.py $PROFILE_ARGS (device time per kernel, host profile per call)
 #   aot      KERNELFORGE_BUILD_CUDA=1 pip install into /tmp/kfsite; doctor and CUDA op tests against it;
 #            AOT_INTO_TREE=1 also copies the built libraries into this tree's kernelforge/cuda/_aot/
 #            (later stages of the call then load them instead of building JIT)
@@ -22,6 +21,7 @@
 #            replacing each file's -k selection
 #   demo     kernelforge demo $DEMO_ARGS (the example models at every level: table, JSON, plot) into demo/
 #   script   python3 $SCRIPT (one benchmark or probe script with its arguments) into script.log
+#   sweep    benchmarks/tuning/softmax_sweep.py (the Triton softmax launch configs), JSON into results/
 #   harness  kernelforge bench $BENCH_OPS (default all) --dtype $BENCH_DTYPE (default bf16) --crosscheck
 # Everything lands in $OUT/results/ and is packed into $OUT/results.tgz (the device returns
 # at most 8 files), exactly as produced.
@@ -64,29 +64,26 @@ for stage in $stages; do
       status=$(( status | $? ))
       grep -E "^(FAILED|ERROR)" "$R/gpu-focus-tests.log" | head -40; tail -n 2 "$R/gpu-focus-tests.log" ;;
     attention-sweep)
-      timeout "${SWEEP_TIMEOUT:-400}" python3 benchmarks/attention_sweep.py --out "$R" $SWEEP_ARGS > "$R/attention-sweep.log" 2>&1
+      timeout "${SWEEP_TIMEOUT:-400}" python3 benchmarks/tuning/attention_sweep.py --out "$R" $SWEEP_ARGS > "$R/attention-sweep.log" 2>&1
       status=$(( status | $? )); grep -v "^   " "$R/attention-sweep.log" | tail -n 14 ;;
-    window)
-      timeout "${WINDOW_TIMEOUT:-200}" python3 benchmarks/window_experiment.py ${WINDOW_ARGS:-} > "$R/window.log" 2>&1
-      status=$(( status | $? )); cat "$R/window.log" | tail -n 12 ;;
     gemm-sweep)
-      timeout "${GEMM_SWEEP_TIMEOUT:-300}" python3 benchmarks/gemm_sweep.py ${GEMM_SWEEP_ARGS:-} > "$R/gemm-sweep.log" 2>&1
+      timeout "${GEMM_SWEEP_TIMEOUT:-300}" python3 benchmarks/tuning/gemm_sweep.py ${GEMM_SWEEP_ARGS:-} > "$R/gemm-sweep.log" 2>&1
       status=$(( status | $? )); tail -n 4 "$R/gemm-sweep.log" ;;
     gemm-overhead)
-      timeout 120 python3 benchmarks/gemm_overhead.py > "$R/gemm-overhead.log" 2>&1
+      timeout 120 python3 benchmarks/tools/gemm_overhead.py > "$R/gemm-overhead.log" 2>&1
       status=$(( status | $? )); head -n 15 "$R/gemm-overhead.log" ;;
     host)
-      timeout 300 python3 benchmarks/host_overhead.py --out "$R" ${HOST_ARGS:-} > "$R/host.log" 2>&1
+      timeout 300 python3 benchmarks/tools/host_overhead.py --out "$R" ${HOST_ARGS:-} > "$R/host.log" 2>&1
       status=$(( status | $? )); sed -n '1,/^$/p' "$R/host.log" | head -n 60; tail -n 2 "$R/host.log" ;;
     backend-order)
-      timeout 300 python3 benchmarks/backend_order.py --out "$R" > "$R/backend-order.log" 2>&1
+      timeout 300 python3 benchmarks/tuning/backend_order.py --out "$R" > "$R/backend-order.log" 2>&1
       status=$(( status | $? )); awk '$NF + 0 > 1.0' "$R/backend-order.log" | head -n 30; tail -n 1 "$R/backend-order.log" ;;
     harness)
       timeout "${BENCH_TIMEOUT:-540}" python3 -m kernelforge.cli bench ${BENCH_OPS:-all} --dtype "${BENCH_DTYPE:-bf16}" \
         --crosscheck --out "$R" > "$R/harness.log" 2>&1
       status=$(( status | $? )); tail -n 5 "$R/harness.log" ;;
     profile)
-      timeout "${PROFILE_TIMEOUT:-200}" python3 benchmarks/profile_ops.py ${PROFILE_ARGS:-} > "$R/profile.log" 2>&1
+      timeout "${PROFILE_TIMEOUT:-200}" python3 benchmarks/tools/profile_ops.py ${PROFILE_ARGS:-} > "$R/profile.log" 2>&1
       status=$(( status | $? )); tail -n 20 "$R/profile.log" ;;
     aot)  # the ahead-of-time build: pip install into /tmp/kfsite, then the CUDA GPU tests and the doctor
           # against that install, with an empty JIT cache (anything built JIT shows up in it)
@@ -131,13 +128,11 @@ for stage in $stages; do
     demo)
       timeout "${DEMO_TIMEOUT:-400}" python3 -m kernelforge.cli demo --out "$R/demo" ${DEMO_ARGS:-} > "$R/demo.log" 2>&1
       status=$(( status | $? )); tail -n 30 "$R/demo.log" ;;
-    script)  # any one script: SCRIPT="benchmarks/x.py --args"
+    script)  # any one script: SCRIPT="benchmarks/tools/x.py --args"
       timeout "${SCRIPT_TIMEOUT:-200}" python3 $SCRIPT > "$R/script.log" 2>&1
       status=$(( status | $? )); tail -n 30 "$R/script.log" ;;
-    sweep) timeout 420 python3 benchmarks/softmax_sweep.py --out "$R" > "$R/sweep.log" 2>&1
+    sweep) timeout 420 python3 benchmarks/tuning/softmax_sweep.py --out "$R" > "$R/sweep.log" 2>&1
       status=$(( status | $? )); tail -n 3 "$R/sweep.log" ;;
-    overhead) timeout 300 python3 benchmarks/softmax_overhead.py > "$R/overhead.log" 2>&1
-      status=$(( status | $? )); head -n 14 "$R/overhead.log" ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
   echo "== $stage: $(( SECONDS - start )) s, status so far $status"

@@ -190,7 +190,7 @@ def compare_implementations(implementations: dict, *inputs, warmup: int = 10, re
 class CallInBackward(torch.autograd.Function):
     """y = x.clone() whose backward calls `job()` on whichever thread runs it (autograd's device
     thread for CUDA tensors, unless multithreading is off): host-time probes time, profile or
-    pin that thread from inside a backward (benchmarks/autograd_thread_probe.py)."""
+    pin that thread from inside a backward (docs/notes/host_time.md: the probes that used it)."""
 
     @staticmethod
     def forward(ctx, x, job):

@@ -236,7 +236,7 @@ class KernelforgeKernels:
 class FastestKernels(TorchKernels):
     """What the fastest level runs inside torch.compile: each function from whichever of kernelforge
     and torch made the compiled, CUDA-graphed model faster, measured one function group at a time
-    against the all-torch set (benchmarks/fastest_choices.py, H200, bf16, realistic sizes; its
+    against the all-torch set (benchmarks/tuning/fastest_choices.py, H200, bf16, realistic sizes; its
     results sit with the models' under benchmarks/results/):
 
         kernelforge's    LM forward   LM train step   ViT forward   GNN forward
@@ -255,7 +255,7 @@ class FastestKernels(TorchKernels):
     its one-row GEMM: at one row cuBLAS streams a weight at 33-90% of the copy bandwidth, the few-row
     kernel at 0.97-1.25x its pace (H200, the decode step's five shapes), and flash-decoding reads
     only the cache's filled rows, 1.4-1.9x SDPA over the masked whole cache (16 layers in a CUDA
-    graph each, benchmarks/decode_step_sweep.py). The prompt's prefill keeps SDPA."""
+    graph each, benchmarks/tuning/decode_step_sweep.py). The prompt's prefill keeps SDPA."""
 
     name = "fastest"
 

@@ -66,7 +66,7 @@ def _why_not_reference(x: torch.Tensor, weight=None, bias=None, **direction):
 
 
 # Triton's kernels take less device time than the CUDA extension's at every size measured on an H200
-# (bf16, 16x4096 to 16384x4096, benchmarks/backend_order.py): forward 0.28-0.58x, forward+backward
+# (bf16, 16x4096 to 16384x4096, benchmarks/tuning/backend_order.py): forward 0.28-0.58x, forward+backward
 # 0.50-0.73x, and with its eager plan a call costs less host time too. Only large backward passes
 # over rows of up to this many columns measured the other way for the layer norm (16384x4096: CUDA's
 # backward 185 against 199 us on the H200, 207 against 216 on an H100; RMS: 160 against 153 on the

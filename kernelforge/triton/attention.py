@@ -87,9 +87,9 @@ BLOCK_SPARSE_BACKWARD_STAGES = {"whole": 2, "cut": 1}
 INTERPRETER_TILE = TileConfig(32, 32, 4, 1)  # the CPU interpreter: small tiles, few wasted rows
 # A bounded left reach, no attn_mask, no block mask: the kernels can walk the band as one loop
 # and check the band on its edge tiles under a run-time branch (EDGE_AT_RUN_TIME in the
-# kernels) instead of three loops. Measured by benchmarks/window_experiment.py (causal window
-# 512, S = 8192, d128, bf16, H200): forward 211 against 253 us, backward 682 against 804 us.
-# Per direction, so the experiment can time both ways.
+# kernels) instead of three loops. Measured by the window experiment (docs/notes/attention.md; causal
+# window 512, S = 8192, d128, bf16, H200): forward 211 against 253 us, backward 682 against 804 us.
+# Per direction, so an experiment can time both ways.
 ONE_LOOP_WINDOW = {"forward": True, "backward": True}
 
 

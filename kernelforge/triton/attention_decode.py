@@ -30,7 +30,7 @@ MAX_ROWS = 64  # GROUP * Sq rows of one tile; beyond this the query-tiled forwar
 MIN_KEYS = 512  # shorter caches: one query-tiled program walks them quickly enough
 # At least this many keys a program (a tile's worth): at batch 1 and a short cache the split
 # count, not the merge, limits the pace. H200, B1 H16 D128, in a CUDA graph of 16 layers
-# (benchmarks/decode_step_sweep.py): 601 of 768 rows 8.62 -> 7.15 us from 256 keys, 1501 of 2048
+# (benchmarks/tuning/decode_step_sweep.py): 601 of 768 rows 8.62 -> 7.15 us from 256 keys, 1501 of 2048
 # and 4001 of 4096 within 1% (the programs-per-SM bound sets the split count there).
 KEYS_PER_SPLIT = 64
 # Key ranges are cut while B * Hkv * splits stays within this many programs an SM, the split

@@ -79,7 +79,8 @@ ONE_STAGE_HEAD_DIM = 128
 NUM_WARPS = 4
 LOG2E = 1.4426950408889634
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
-# Off switches for experiments and tests (benchmarks/gluon_window_experiment.py times both forwards);
+# Off switches for experiments and tests (the Gluon window experiment timed both forwards:
+# docs/notes/attention.md);
 # "backward" and "block_mask_backward" are attention_gluon_backward.py's.
 ENABLED = {"window": True, "block_mask": True, "backward": True, "block_mask_backward": True}
 

@@ -40,8 +40,8 @@ takes each step's lse and delta by TMA with its Q and dO tiles (_issue_step). dQ
 without a BlockMask runs a one-stage ring, three programs an SM (attention_gluon.ring_stages).
 No atomics: deterministic.
 
-Measured (H200, bf16, 2 x 16 x 8192; benchmarks/gluon_backward_experiment.py, its logs in
-benchmarks/results/nvidia-h200/attention/gluon-backward-experiment/), dK/dV + dQ against the
+Measured (H200, bf16, 2 x 16 x 8192; the Gluon backward experiment, docs/notes/attention.md, its logs
+in benchmarks/results/nvidia-h200/attention/gluon-backward-experiment/), dK/dV + dQ against the
 Triton backward (delta, dK/dV, dQ):
 
     d128 causal window 512: 312 + 213 us against 662;  d64: 204 + 118 against 392
@@ -85,7 +85,7 @@ BLOCK_N = 64  # keys a program (dK/dV) or a step (dQ)
 STAGES = 2
 NUM_WARPS = 4
 # delta = rowsum(O * dO) in the dQ launch (run first) instead of the Triton kernel before both:
-# O read once there, one launch fewer (benchmarks/gluon_backward_experiment.py times both).
+# O read once there, one launch fewer (the Gluon backward experiment timed both: docs/notes/attention.md).
 FUSE_DELTA = True
 LOG2E_C: gl.constexpr = gl.constexpr(LOG2E)
 # a (B, H, Sq) float32 vector's 64 rows in shared memory (lse, delta; see _issue_step)

@@ -66,7 +66,7 @@ def cross_entropy_forward_kernel(
     ignored = target == ignore_index
     # The row's running max and sum: one exp2 an element (the max moves by whole blocks). Keeping a
     # max and sum per lane instead (no reduction inside the walk, two exp2 an element) measured
-    # slower at every shape of benchmarks/cross_entropy_sweep.py, and so did pipelining stages.
+    # slower at every shape of benchmarks/tuning/cross_entropy_sweep.py, and so did pipelining stages.
     running_max = tl.full((), float("-inf"), tl.float32)
     running_sum = tl.zeros((), tl.float32)
     row_total = tl.zeros((BLOCK,), tl.float32)
@@ -148,7 +148,7 @@ class LaunchConfig:
 
 
 def default_config(n_classes: int, backward: bool = False) -> LaunchConfig:
-    """The H200 sweep's best or within 3% of it (benchmarks/cross_entropy_sweep.py, bf16, 256 to
+    """The H200 sweep's best or within 3% of it (benchmarks/tuning/cross_entropy_sweep.py, bf16, 256 to
     128256 classes): forward 4 warps on blocks of up to 4096 (4.06-4.09 TB/s of logits read at 32000
     and 128256 classes; 32 warps reached 1.3 TB/s); backward 16 warps on a 4096 block (3.9 TB/s read
     + write), 4 on short rows (256 classes: 4 warps 18 us, 32 warps 86 us).

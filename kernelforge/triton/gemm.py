@@ -54,7 +54,7 @@ USE_TMA: Optional[bool] = None
 USE_GLUON: Optional[bool] = None  # the Gluon kernel for one matrix: None its rule, False never, True any size
 USE_GEMV: Optional[bool] = None  # the few-row kernel (gemv.py): None its rule (one row), False never, True <= 8 rows
 SPLIT_K: Optional[int] = None  # slices of K a TMA-kernel tile is split into: None the autotuner's pick
-_TMA_MIN_ROWS = 65  # at 16 rows the pointer kernel's 16-row tiles win (benchmarks/gemm_sweep.py)
+_TMA_MIN_ROWS = 65  # at 16 rows the pointer kernel's 16-row tiles win (benchmarks/tuning/gemm_sweep.py)
 _PRECISION = {"fp32": "ieee", "tf32": "tf32", "fp16": "tf32", "bf16": "tf32", "fp8": "tf32"}  # not fp32: ignored
 _COMPUTE_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}  # 16-bit operands the tensor cores take as they are
 _OPERAND_BITS = {"fp8": 8, "fp16": 16, "bf16": 16, "fp32": 32, "tf32": 32}
@@ -68,7 +68,7 @@ def _config(m, n, k, warps, stages, group=8):
 # Candidates. 16-bit operands: the Hopper shapes of Triton's matmul tutorial and smaller
 # tiles for few rows (M = 16..128 tokens: at 16 rows of a 4096-wide output, 16 x 32 tiles
 # give 128 programs to stream the weight) or narrow N; fp32 operands (tf32 / IEEE) take
-# half the K depth for the same shared memory. The H200 sweep (benchmarks/gemm_sweep.py):
+# half the K depth for the same shared memory. The H200 sweep (benchmarks/tuning/gemm_sweep.py):
 # 128 x 256 x 64 / 8 warps / 3 stages is the best at 4096^3 and 8192^3.
 CONFIGS_16BIT = [
     _config(128, 256, 64, 8, 3), _config(128, 128, 64, 8, 4), _config(128, 128, 64, 4, 4),
@@ -79,11 +79,12 @@ CONFIGS_32BIT = [
     _config(128, 128, 32, 8, 3), _config(128, 256, 32, 8, 3), _config(128, 64, 32, 4, 4),
     _config(64, 128, 32, 4, 4), _config(64, 64, 64, 4, 3), _config(32, 64, 128, 4, 3),
 ]
-CONFIGS_TMA = [  # the fastest of benchmarks/gemm_sweep.py's TMA candidates at each of its shapes
+CONFIGS_TMA = [  # the fastest of benchmarks/tuning/gemm_sweep.py's TMA candidates at each of its shapes
     _config(128, 256, 64, 8, 3), _config(128, 128, 64, 4, 4), _config(128, 128, 64, 8, 4),
     _config(128, 128, 128, 8, 3), _config(64, 256, 64, 4, 4), _config(64, 128, 64, 4, 4),
     # more bytes in flight an SM, for few-row products (each SM streams its part of b): the
-    # autotuner's picks at 128 x 4096 x 4096 / 14336, split or not (gemm_split_k_experiment.py --deep)
+    # autotuner's picks at 128 x 4096 x 4096 / 14336, split or not (the split-K experiment's --deep
+    # candidates: docs/notes/gemm.md)
     _config(128, 128, 64, 4, 6), _config(64, 128, 128, 4, 4),
 ]
 # tf32 through TMA: 4-byte operands at half the 16-bit K depth (the same shared-memory bytes per
@@ -94,7 +95,7 @@ CONFIGS_TMA_32 = [
 ]
 # e4m3: the 16-bit shapes with twice the K depth (the same shared-memory bytes per stage), and
 # no tile under 64 rows (Hopper's fp8 tensor-core instruction is 64 rows tall per warp group).
-# The H200 sweep (benchmarks/gemm_sweep.py --fp8): with fast accumulation 128x256x128 is the
+# The H200 sweep (benchmarks/tuning/gemm_sweep.py --fp8): with fast accumulation 128x256x128 is the
 # best (1.02x / 0.98x _scaled_mm at 4096^3 / 8192^3); with the float32 promotion it is 0.42x
 # (two 128x256 accumulators in registers), where 128x128x256 and 256x128x128 / 8 warps give
 # 0.80-0.83x.
@@ -102,7 +103,7 @@ CONFIGS_FP8 = [
     _config(128, 256, 128, 8, 3), _config(128, 128, 256, 8, 3), _config(256, 128, 128, 8, 3),
     _config(128, 128, 128, 8, 4), _config(128, 128, 128, 4, 4), _config(64, 256, 128, 4, 4),
     _config(128, 64, 128, 4, 4), _config(64, 128, 128, 4, 4), _config(64, 64, 256, 4, 4), _config(64, 32, 256, 4, 4),
-    _config(128, 128, 128, 4, 6),  # split-K's pick at 128 x 4096 x 14336 (gemm_split_k_experiment.py --deep)
+    _config(128, 128, 128, 4, 6),  # split-K's pick at 128 x 4096 x 14336 (docs/notes/gemm.md, --deep)
 ]
 INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1)
 AUTOTUNE_KEY = ["M_BUCKET", "N", "K", "sak", "sbn", "COMPUTE", "ACTIVATION", "HAS_BIAS", "HAS_RESIDUAL",
@@ -197,7 +198,8 @@ def _tma_kernels(operand_bits: int):
 # ----------------------------------------------------------------------------- TMA descriptors
 def _tma_operands(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, compute: str):
     """(descriptors of a, b and out, whose block shapes a config sets, and the operands' memory
-    orders) for gemm_tma_kernel, or None (tma_descriptors.tma_layouts); benchmarks/gemm_sweep.py launches it so."""
+    orders) for gemm_tma_kernel, or None (tma_descriptors.tma_layouts); benchmarks/tuning/gemm_sweep.py
+    launches it so."""
     found = tma_layouts(a, b, out, compute)
     if found is None:
         return None

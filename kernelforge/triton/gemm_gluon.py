@@ -297,7 +297,7 @@ def tile(a_dtype: torch.dtype, out_dtype: torch.dtype, promote: bool, epilogue_r
 
 def _stages(block_m, block_n, block_k, a_dtype, out_dtype, most: int = 6) -> int:
     """As many ring stages as the shared memory holds next to the output tile, at most `most`
-    (the H200 experiment, benchmarks/gluon_gemm_experiment.py: 3 at 128 x 256, all there is
+    (the H200 experiment, docs/notes/gemm.md: 3 at 128 x 256, all there is
     room for; fp8 promoted at 128 x 128 x 128 0.97-1.02x torch._scaled_mm with 4, 1.01-1.02x
     with 6)."""
     stage = (block_m + block_n) * block_k * a_dtype.itemsize
@@ -410,13 +410,6 @@ def gemm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sms: int, **o
     tensors = {k: options.pop(k, None) for k in ("bias", "residual", "preact", "scale_a", "scale_b")}
     Plan(a, b, out, sms, **tensors, **options)(a, b, out, **tensors)
     return out
-
-
-def gemm(a: torch.Tensor, b: torch.Tensor, sms: int, out_dtype=None, **options) -> torch.Tensor:
-    """out = a @ b (options: Plan's keywords) into a new tensor
-    (benchmarks/gluon_gemm_experiment.py)."""
-    out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype or a.dtype, device=a.device)
-    return gemm_into(a, b, out, sms, **options)
 
 
 def compile_for_sm90(a_m_major: bool = False, b_k_major: bool = True, dtype: torch.dtype = torch.bfloat16,

@@ -52,7 +52,7 @@ def tile_coordinates(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 def _promote_every(block_k):
     """K products summed at the fp8 tensor cores' precision before each float32 promotion:
     128, cuBLAS's interval (its error and ours agree to the digit at K = 1024 and 8192,
-    benchmarks/gemm_fp8_accumulation.py), or a shorter K tile."""
+    docs/notes/gemm.md), or a shorter K tile."""
     return min(block_k, 128)
 
 
@@ -145,7 +145,7 @@ def gemm_kernel(
         # The hints restore what tl.where hides from Triton's analysis: each run of BLOCK
         # offsets starts at a multiple of BLOCK and is contiguous, so a unit-stride operand
         # (a column-major a, a row-major b) loads in 16-byte vectors. Without them a row-major
-        # b loads element by element, 50x slower (benchmarks/gemm_sweep.py, "nn"). In a
+        # b loads element by element, 50x slower (benchmarks/tuning/gemm_sweep.py, "nn"). In a
         # clamped tail a vector may read columns past N of the same aligned 16 bytes: their
         # lanes are never stored.
         rows = tl.max_contiguous(tl.multiple_of(tl.where(offs_m < M, offs_m, 0), BLOCK_M), BLOCK_M)
@@ -234,7 +234,7 @@ def gemm_tma_kernel(
     both for them; tf32 ones are rounded beforehand by round_tf32_kernel, the tensor cores
     would truncate them).
     Same work and bytes as gemm_kernel; 0.94-1.04x cuBLAS where gemm_kernel gives 0.91-1.0x
-    on an H200 (benchmarks/gemm_sweep.py).
+    on an H200 (benchmarks/tuning/gemm_sweep.py).
 
     SPLIT_K > 1 (split-K, for products of few output tiles: 128 x 4096 has 32 of 128 x 128,
     a quarter of an H200's SMs, each walking all of K): the work units are (tile, slice of
@@ -319,7 +319,7 @@ def gemv_kernel(
     loop is loads and FMAs only. Split slices meet as gemm_tma_kernel's do (_split_k_arrive:
     the last to arrive adds the partials in slice order and runs the epilogue): one launch.
     At one row this streams b at 0.97-1.25x cuBLAS's pace (H200, decode shapes,
-    benchmarks/decode_step_sweep.py); at four rows its registers hold four accumulator tiles
+    benchmarks/tuning/decode_step_sweep.py); at four rows its registers hold four accumulator tiles
     and it falls to 0.6x, so only single rows take it. SPLIT_CHOICES (the slice counts the
     autotuner may pick from, one bit each) is only its key."""
     pid_n = tl.program_id(0)

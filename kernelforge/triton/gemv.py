@@ -2,7 +2,7 @@
 as a decoding step's projections have at batch 1. kernelforge/triton/gemm.py routes such calls
 here (its _route); the tensor-core kernels pad the row to a 16-row tile and leave too few
 programs streaming the weight (0.72-0.92x cuBLAS at the decode shapes of
-benchmarks/decode_step_sweep.py, H200), where this kernel gives 0.97-1.25x.
+benchmarks/tuning/decode_step_sweep.py, H200), where this kernel gives 0.97-1.25x.
 
 Candidates: the best config at each of those shapes (one row; BLOCK_N x BLOCK_K of b a program
 and iteration, warps), and, for outputs too narrow to give every SM two programs, the same tiles
@@ -33,7 +33,7 @@ def _config(block_n, block_k, warps, split=1):
     return triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split}, num_warps=warps, num_stages=1)
 
 
-# The winners of benchmarks/decode_step_sweep.py at one row (H200, bf16; results in
+# The winners of benchmarks/tuning/decode_step_sweep.py at one row (H200, bf16; results in
 # benchmarks/results/nvidia-h200/models/97577be-decode-step-sweep/): 8 x 512 / 4 warps at N 6144
 # (K 2048 and 4096), 4 x 1024 / 8 warps at 2048 x 2048, 4 x 1024 / 4 at 2048 x 5472, 16 x 256 / 4 at 10944 x 2048,
 # 8 x 1024 / 4 at the vocabulary, 4096 x 4096, 28672 x 4096 and 4096 x 14336. Software

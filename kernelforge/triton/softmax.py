@@ -4,7 +4,7 @@ Two forward paths, chosen by row length n:
   fused  (n <= FUSED_MAX_COLS): a tile of BLOCK_M rows is loaded once, reduced, written.
          Bytes: read n + write n elements per row, the minimum. One tile per program: a
          persistent grid-stride variant (with and without software pipelining) measured
-         no faster on an H200 (benchmarks/softmax_sweep.py), so the simpler form stays.
+         no faster on an H200 (benchmarks/tuning/softmax_sweep.py), so the simpler form stays.
   online (longer rows): one program per row walks the row in BLOCK_N chunks keeping a
          running max and a rescaled running sum (one read gives both), then a second
          walk re-reads x and writes y. Bytes: read 2n + write n from DRAM at worst; the

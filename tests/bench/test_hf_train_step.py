@@ -1,4 +1,4 @@
-"""benchmarks/hf_train_step.py on the CPU at its tiny size: the variants run, kf.patch changes
+"""benchmarks/tools/hf_train_step.py on the CPU at its tiny size: the variants run, kf.patch changes
 the model and not its first loss (Llama, Qwen3, Gemma 3), a failing variant is reported, not raised."""
 import pytest
 import torch

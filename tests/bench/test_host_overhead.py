@@ -1,4 +1,4 @@
-"""benchmarks/host_overhead.py --tiny on the CPU: a row per op and direction with finite times for
+"""benchmarks/tools/host_overhead.py --tiny on the CPU: a row per op and direction with finite times for
 kernelforge and torch, a breakdown that adds up, and the JSON."""
 import json
 import math

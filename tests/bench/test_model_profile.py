@@ -1,4 +1,4 @@
-"""benchmarks/model_profile.py on the CPU: the small workloads' ops per level, the decode workload
+"""benchmarks/tools/model_profile.py on the CPU: the small workloads' ops per level, the decode workload
 one step at a time after a prefill."""
 import pytest
 

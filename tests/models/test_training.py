@@ -39,8 +39,8 @@ def test_kernelforge_levels_train_like_pytorch_in_bf16_on_gpu():
         # parts them within a few steps: measured gaps there are under 1e-3). Late, bf16 runs drift
         # apart chaotically at this learning rate: over seeds 0-3 the mean of the last 50 steps moved by
         # up to 0.145 between native with torch's loss and native with kernelforge's (whose gradients
-        # agree with torch's within bf16 rounding at every step; benchmarks/training_curve_probe.py,
-        # benchmarks/cross_entropy_step_probe.py, results in benchmarks/results/nvidia-h200/models/).
+        # agree with torch's within bf16 rounding at every step; docs/notes/training.md, results in
+        # benchmarks/results/nvidia-h200/models/).
         assert (curve[:20] - native[:20]).abs().max() < 0.05, level
         assert curve[-20:].mean() < 0.5 * curve[0], level  # and it learns as native does
         assert abs(curve[-50:].mean() - native[-50:].mean()) < 0.25, level

@@ -133,7 +133,7 @@ def test_next_token_loss_and_its_gradients_match_across_levels(level, device):
     if level in ("compile", "fastest"):
         # A fresh start: after other shapes compiled in this process Dynamo marks the shapes dynamic, and
         # Inductor of torch 2.11 then fails on this graph on CUDA (an assertion in its tiling analysis;
-        # benchmarks/inductor_loss_probe.py shows dynamic=True fails, static passes). Not ours to fix.
+        # docs/notes/losses.md: dynamic=True fails, static passes). Not ours to fix.
         torch._dynamo.reset()
     model = randomize(tiny_lm()).to(device)
     ids = torch.randint(0, 61, (3, 12), device=device)

@@ -112,7 +112,7 @@ GPU_CASES = CASES + [
     (1, 2, 2, 1000, 4097, 256, None, True, (300, 0), None),
     (2, 8, 2, 1000, 1000, 128, None, False, None, "bool"),
     # eight query heads a key head: float32 dK / dV summed over the group as one FMA chain missed
-    # the bound (benchmarks/attention_error_seeds.py)
+    # the bound (docs/notes/attention.md)
     (1, 16, 2, 1000, 1000, 64, None, False, None, None),
     (4, 32, 8, 1, 4097, 128, None, True, None, None),         # decode with GQA, odd cache length
 ]

@@ -118,7 +118,7 @@ def test_given_scales_broadcast_and_layouts(backend, device):
         out = kf.gemm(qa, qb, out_dtype=torch.float32)
     exact = qa.double() @ qb.double()
     # Within one K tile the GPU's fp8 tensor cores accumulate at reduced precision (cuBLAS's
-    # too: 2.3e-4 of the largest output at K = 1024, benchmarks/gemm_fp8_accumulation.py);
+    # too: 2.3e-4 of the largest output at K = 1024, docs/notes/gemm.md);
     # the CPU sums in float32.
     bound = (2e-3 if device == "cuda" else 1e-6) * exact.abs().max().item()
     assert (out.double() - exact).abs().max().item() <= bound

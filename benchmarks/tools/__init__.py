@@ -1,0 +1,1 @@
+"""Diagnostics a developer runs again (benchmarks/README.md)."""

@@ -1,0 +1,1 @@
+"""The sweeps whose results set shipped defaults (benchmarks/README.md)."""
