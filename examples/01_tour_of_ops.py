@@ -159,7 +159,8 @@ def rope_section(device) -> None:
     check("rope(q, k)", on_each_backend(lambda: kf.rope(q, k, cos, sin)), expected)
 
 
-# kf.explain takes the backend registry's name of an op's family, not the function's name
+# kf.explain takes a public function's name ("rms_norm", "silu", "flash_attention") or the name
+# of the registry family that function runs through (the families share kernels and rules)
 REGISTRY_NAMES = {"softmax / log_softmax": "softmax", "layer_norm / rms_norm / add_*_norm": "norms",
                   "gelu / silu / relu / bias_*": "activation", "swiglu / geglu": "gated_activation",
                   "gemm": "gemm", "flash_attention": "attention", "cross_entropy": "cross_entropy", "rope": "rope"}
@@ -173,8 +174,8 @@ def explain_section(device) -> None:
     print(kf.explain("softmax", x.double()))
     print("  inside kf.prefer_backend('triton') (a preference: falls back where Triton cannot run):")
     with kf.prefer_backend("triton"):
-        print(kf.explain("norms", x, torch.ones(64, device=device), None))
-    print("  the names kf.explain takes:")
+        print(kf.explain("rms_norm", x, torch.ones(64, device=device)))
+    print("  the registry families behind the public names:")
     for functions, name in REGISTRY_NAMES.items():
         print(f"    {name!r:<20} {functions}")
 

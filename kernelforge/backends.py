@@ -90,6 +90,7 @@ _registry: dict[str, dict[str, Implementation]] = {}
 _preferences: dict[str, PreferenceRule] = {}
 _choice_keys: dict[str, ChoiceKey] = {}
 _choices: dict[tuple, Choice] = {}
+_aliases: dict[str, tuple[str, dict]] = {}  # public function name -> (registry op, its options)
 _generation = [0]  # forget_choices() calls (plan_key)
 # The backend forced by use_backend(). Process-wide on purpose (like torch.backends flags):
 # autograd runs backward ops on its own threads, and a forced backend must govern them
@@ -332,10 +333,21 @@ def _traceable_first(impls: dict, order: Sequence[str], why: str) -> "tuple[Sequ
                        f"an extension's); eager order: {why}")
 
 
+def register_alias(name: str, op: str, **options) -> None:
+    """Let explain() take a public function's name (kf.explain("rms_norm", x)) for the registry's
+    op family it runs through, with the options that function passes (silu: kind="silu")."""
+    _aliases[name] = (op, options)
+
+
 def explain(op: str, *inputs, **options) -> str:
-    """One paragraph: which implementation would run `op` on these inputs and why,
-    and for every other backend whether it could."""
+    """One paragraph: which implementation would run `op` (a registry name, or a public
+    function's name: "rms_norm", "flash_attention") on these inputs and why, and for every other
+    backend whether it could."""
     lines = []
+    if op not in _registry and op in _aliases:
+        family, defaults = _aliases[op]
+        lines.append(f"({op} runs through the {family!r} family of the registry)")
+        op, options = family, {**defaults, **options}
     try:
         choice = select(op, *inputs, **options)
         lines.append(f"{op}: runs on {choice.backend} because {choice.reason}.")

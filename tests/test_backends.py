@@ -104,3 +104,20 @@ def test_recording_counts_each_call_with_its_backend():
     closed = dict(outer)
     kf.softmax(x)
     assert dict(outer) == closed  # a closed counter no longer changes
+
+
+def test_explain_takes_the_public_function_names():
+    # kf.explain("rms_norm", x) explains the registry family the function runs through, with the
+    # options the function passes (silu's kind), as the family's own name does
+    x, w = torch.randn(4, 8), torch.randn(8)
+    for name, family, options in (("rms_norm", "norms", {}), ("layer_norm", "norms", {}),
+                                  ("silu", "activation", {"kind": "silu"}), ("relu", "activation", {"kind": "relu"}),
+                                  ("log_softmax", "softmax", {})):
+        text = kf.explain(name, x, w) if family == "norms" else kf.explain(name, x)
+        direct = kf.explain(family, x, w, **options) if family == "norms" else kf.explain(family, x, **options)
+        first, rest = text.split("\n", 1)
+        assert first == f"({name} runs through the {family!r} family of the registry)"
+        assert rest == direct
+    assert kf.explain("flash_attention", *(torch.randn(1, 2, 3, 8),) * 3).splitlines()[1].startswith("attention: runs on")
+    with pytest.raises(KeyError, match="known ops"):
+        kf.explain("rms_normm", x)

@@ -102,6 +102,12 @@ def _choice_key(x: torch.Tensor, bias: Optional[torch.Tensor] = None, kind: str 
 
 
 backends.register(OP, "triton", "kernelforge.triton.activations", _why_not_triton)
+# kf.explain("silu", x) and the like: the public names, each with the kind it runs
+backends.register_alias("gelu", OP, kind="gelu")
+backends.register_alias("silu", OP, kind="silu")
+backends.register_alias("relu", OP, kind="relu")
+backends.register_alias("bias_gelu", OP, kind="gelu")
+backends.register_alias("bias_silu", OP, kind="silu")
 backends.register(OP, "cuda", "kernelforge.cuda.activations", _why_not_cuda)
 backends.register(OP, "reference", "kernelforge.reference.activations", _why_not_reference)
 backends.set_preference(OP, _preference, _choice_key)

@@ -98,6 +98,7 @@ def _choice_key(q, k, v, vis=None, backward=False):
 
 
 backends.register(OP, "triton", "kernelforge.triton.attention", _why_not_triton)
+backends.register_alias("flash_attention", OP)
 backends.register(OP, "cuda", "kernelforge.cuda.attention", _why_not_cuda)
 backends.register(OP, "reference", "kernelforge.reference.attention", _why_not_reference)
 backends.set_preference(OP, _preference, _choice_key)

@@ -98,6 +98,11 @@ def _choice_key(x: torch.Tensor, weight=None, bias=None, n: int = 0, backward: b
 
 
 backends.register(OP, "triton", "kernelforge.triton.norms", _why_not_triton)
+# kf.explain("rms_norm", x, weight) and the like: the public names of the family
+backends.register_alias("layer_norm", OP)
+backends.register_alias("rms_norm", OP)
+backends.register_alias("add_layer_norm", OP)
+backends.register_alias("add_rms_norm", OP)
 backends.register(OP, "cuda", "kernelforge.cuda.norms", _why_not_cuda)
 backends.register(OP, "reference", "kernelforge.reference.norms", _why_not_reference)
 backends.set_preference(OP, _preference, _choice_key)

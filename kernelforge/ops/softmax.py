@@ -63,6 +63,7 @@ def _preference(x: torch.Tensor, dim: int = -1, log: bool = False):
 backends.register(OP, "triton", "kernelforge.triton.softmax", _why_not_triton)
 backends.register(OP, "cuda", "kernelforge.cuda.softmax", _why_not_cuda)
 backends.register(OP, "reference", "kernelforge.reference.softmax", _why_not_reference)
+backends.register_alias("log_softmax", OP)  # kf.explain("log_softmax", x): the same kernels
 def _choice_key(x: torch.Tensor, dim: int = -1, log: bool = False):
     # everything _preference and the _why_not_* predicates look at
     return x.device.type, x.dtype
