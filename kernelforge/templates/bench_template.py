@@ -17,7 +17,7 @@ import torch
 from kernelforge.bench import report
 from kernelforge.bench.roofline import Cost
 from kernelforge.bench.runner import run_bench
-from kernelforge.bench.suites import Suite
+from kernelforge.bench.suite_types import Suite
 from kernelforge.ops.my_op import my_op
 from kernelforge.reference.my_op import my_op_forward as reference_forward
 
