@@ -18,7 +18,8 @@ The per-row inputs are never accepted as Partial: an unreduced input (a row-para
 output) is reduced first (torch redistributes it), since a norm or an activation of a partial sum
 is not the partial sum of the results.
 
-Registration: `enable()`, idempotent, which importing kernelforge.distributed calls. Not at
+Registration: `enable()`, idempotent, which importing kernelforge.distributed calls (its enable()
+adds kernelforge.distributed.matmul_sharding's rules: gemm, attention, cross-entropy). Not at
 `import kernelforge`: torch.distributed.tensor takes a while to import, is absent from some torch
 builds, and most users never build a DTensor (tests/test_structure.py keeps the import light).
 Whoever builds DTensors has torch.distributed imported already, and one `import
@@ -240,22 +241,23 @@ def _register(op: Op, rule: Callable) -> None:
         propagator.op_to_schema_info[overload] = schema_info
 
 
-_enabled = False
+_registered: set = set()
 
 
-def enable() -> bool:
-    """Register the sharding rules of every op in RULES with DTensor (once; later calls do nothing).
-    Returns whether the rules are registered: False where torch.distributed is unavailable."""
-    global _enabled
-    if _enabled:
-        return True
+def enable(*more_rules: dict[Op, Callable]) -> bool:
+    """Register the sharding rules of every op in RULES, and in each of `more_rules` (the package's
+    kernelforge.distributed.enable() passes matmul_sharding.RULES), with DTensor; an op registered
+    already is skipped (calls are idempotent). Returns whether the rules are registered: False where
+    torch.distributed is unavailable."""
     import torch.distributed
 
     if not torch.distributed.is_available():
         return False
-    for op, rule in RULES.items():
-        _register(op, rule)
-    _enabled = True
+    for rules in (RULES, *more_rules):
+        for op, rule in rules.items():
+            if op not in _registered:
+                _register(op, rule)
+                _registered.add(op)
     return True
 
 

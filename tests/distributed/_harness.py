@@ -1,0 +1,116 @@
+"""The spawn harness of the DTensor tests: one 2-process gloo job (a 1-D mesh of 2 CPU ranks) runs
+every case of a module and writes each case's failure (or None) to a file; the module's tests read
+them, one test a case (`results_fixture`, `case_names`). `check` compares an op on DTensors with
+the op on the full tensors."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import traceback
+from typing import Callable
+
+import pytest
+import torch
+
+WORLD_SIZE = 2
+TIMEOUT_S = 240  # the whole job: a hang fails the module instead of blocking CI
+
+skip_without_gloo = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="needs torch.distributed with gloo")
+
+
+def check(mesh, fn, inputs, placements, expected, *, grad=True, grad_atol=1e-5):
+    """fn on DTensors `inputs` placed as `placements` (one a tensor; None: a non-tensor argument
+    passed as is) against fn on the full tensors: values, output placements (`expected`: one per
+    output; None: not checked), and with `grad` the inputs' gradients for the same random output
+    gradients."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    needs_grad = [grad and isinstance(t, torch.Tensor) and t.is_floating_point() for t in inputs]
+    full = [t.clone().requires_grad_(g) if p is not None else t for t, p, g in zip(inputs, placements, needs_grad)]
+    dist = [distribute_tensor(t.detach(), mesh, [p]).requires_grad_(g) if p is not None else t
+            for t, p, g in zip(inputs, placements, needs_grad)]
+    ref = fn(*full)
+    out = fn(*dist)
+    ref, out = (ref, out) if isinstance(ref, tuple) else ((ref,), (out,))
+    for i, (r, o, e) in enumerate(zip(ref, out, expected)):
+        if e is not None:
+            assert tuple(o.placements) == (e,), f"output {i}: placements {o.placements}, expected ({e},)"
+        torch.testing.assert_close(o.full_tensor(), r, msg=lambda m: f"output {i}: {m}")
+    if not grad:
+        return
+    grads = [torch.randn_like(r) for r in ref]  # the same on every rank: the seed is shared
+    torch.autograd.backward(ref, grads)
+    # a Partial output's gradient comes Replicate (as DTensor's backward normalizes it)
+    torch.autograd.backward(out, [distribute_tensor(g, mesh, [Replicate() if p.is_partial() else p for p in o.placements])
+                                  for g, o in zip(grads, out)])
+    for i, (f, d) in enumerate(zip(full, dist)):
+        if isinstance(f, torch.Tensor) and f.requires_grad:
+            torch.testing.assert_close(d.grad.full_tensor(), f.grad, rtol=1e-5, atol=grad_atol,
+                                       msg=lambda m: f"gradient of input {i}: {m}")
+
+
+def _worker(rank: int, port: int, out_dir: str, cases: Callable[[], dict]) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    try:
+        from kernelforge import use_backend
+        from kernelforge.distributed import enable
+        from torch.distributed.device_mesh import init_device_mesh
+
+        assert enable()  # importing kernelforge.distributed registered the rules: this finds them there
+        mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+        results = {}
+        with use_backend("reference"):
+            for name, case in cases().items():
+                torch.manual_seed(0)  # the same full tensors on every rank
+                try:
+                    case(mesh)
+                    results[name] = None
+                except Exception:
+                    results[name] = traceback.format_exc()
+                dist.barrier()  # a case failing on one rank only must not leave the other in a collective
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(out_dir, cases: Callable[[], dict]) -> dict:
+    """Run `cases()` (a module-level function: the spawned processes import it) in the job; the
+    cases' names -> None (passed) or the failure, with its rank."""
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(_worker, args=(_free_port(), str(out_dir), cases), nprocs=WORLD_SIZE, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + TIMEOUT_S
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the {WORLD_SIZE}-process DTensor job did not finish in {TIMEOUT_S} s")
+    merged = {}
+    for rank in range(WORLD_SIZE):
+        for name, failure in json.loads((out_dir / f"rank{rank}.json").read_text()).items():
+            if failure is not None:
+                merged[name] = f"rank {rank}: {failure}"
+            else:
+                merged.setdefault(name, None)
+    return merged
+
+
+def case_names(cases: Callable[[], dict]) -> list[str]:
+    # the cases' names need no process group: build them here (the DTensor imports are cheap enough)
+    if not torch.distributed.is_available():
+        return []
+    return list(cases())
