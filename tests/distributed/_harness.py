@@ -114,3 +114,9 @@ def case_names(cases: Callable[[], dict]) -> list[str]:
     if not torch.distributed.is_available():
         return []
     return list(cases())
+
+
+def assert_passed(results: dict, name: str) -> None:
+    """One case of a job: it ran, and on every rank without a failure."""
+    assert name in results, f"the job ran no case {name!r}"
+    assert results[name] is None, results[name]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed._harness import case_names, check, run_job, skip_without_gloo
+from tests.distributed._harness import assert_passed, case_names, check, run_job, skip_without_gloo
 
 pytestmark = skip_without_gloo
 
@@ -167,5 +167,4 @@ def results(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("name", case_names(_cases))
 def test_dtensor_op(results, name):
-    assert name in results, f"the job ran no case {name!r}"
-    assert results[name] is None, results[name]
+    assert_passed(results, name)

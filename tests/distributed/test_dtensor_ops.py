@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed._harness import WORLD_SIZE, case_names, run_job, skip_without_gloo
+from tests.distributed._harness import assert_passed, WORLD_SIZE, case_names, run_job, skip_without_gloo
 from tests.distributed._harness import check as _check
 
 pytestmark = skip_without_gloo
@@ -138,5 +138,4 @@ def results(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("name", case_names(_cases))
 def test_dtensor_op(results, name):
-    assert name in results, f"the job ran no case {name!r}"
-    assert results[name] is None, results[name]
+    assert_passed(results, name)
