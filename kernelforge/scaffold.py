@@ -57,6 +57,9 @@ def render(text: str, name: str) -> str:
     return text.replace(PLACEHOLDER, name)
 
 
+CHECKOUT_PARTS = ("pyproject.toml", "kernelforge", "tests/conftest.py", "tests/numerics.py")
+
+
 def plan(name: str, root: Path) -> list[tuple[Path, Path]]:
     """(template, destination) pairs for `name` under `root`."""
     return [(TEMPLATES / template, root / dest.format(name=name)) for template, dest in FILES]
@@ -67,8 +70,11 @@ def new_op(name: str, root: Path | str | None = None, force: bool = False) -> li
     Refuses to overwrite unless `force`."""
     _check_name(name)
     root = Path(root) if root is not None else project_root()
-    if not (root / "pyproject.toml").is_file() or not (root / "kernelforge").is_dir():
-        raise ScaffoldError(f"{root} is not a kernelforge source checkout (no pyproject.toml and kernelforge/ there); "
+    # what the written files need beside them: the package, and the tests' helpers the generated
+    # test imports (tests/conftest.py's backend cases, tests/numerics.py's error model)
+    missing = [part for part in CHECKOUT_PARTS if not (root / part).exists()]
+    if missing:
+        raise ScaffoldError(f"{root} is not a kernelforge source checkout (no {', '.join(missing)} there); "
                             "pass --root with the checkout to write into")
     pairs = plan(name, root)
     existing = [str(dest) for _, dest in pairs if dest.exists()]

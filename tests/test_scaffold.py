@@ -123,6 +123,9 @@ def test_it_refuses_to_overwrite_and_to_write_outside_a_checkout(tmp_path):
     assert new_op("twice", root, force=True)
     with pytest.raises(ScaffoldError, match="not a kernelforge source checkout"):
         new_op("elsewhere", tmp_path / "empty")
+    (root / "tests" / "numerics.py").unlink()  # the generated test imports it
+    with pytest.raises(ScaffoldError, match=r"no tests/numerics\.py there"):
+        new_op("without_numerics", root)
 
 
 def test_the_command_line_writes_and_says_what_next(tmp_path, capsys):
