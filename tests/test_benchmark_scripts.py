@@ -75,7 +75,7 @@ def _run_tiny(script: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def tiny_runs(request):
-    """script -> the future of its --tiny run, for every runnable script this session will test."""
+    """script -> the future of its --tiny run, for every runnable script this pytest run selects."""
     selected = [item.callspec.params["script"] for item in request.session.items
                 if getattr(item, "module", None) is request.module
                 and getattr(item, "originalname", None) == "test_script_runs_tiny_on_the_cpu"]

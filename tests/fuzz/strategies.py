@@ -234,6 +234,14 @@ def reconcile_special(ours: torch.Tensor, yardstick: torch.Tensor, oracle: torch
     return yardstick, oracle
 
 
+def assert_matches_oracle_with_specials(ours: torch.Tensor, yardstick: torch.Tensor, oracle: torch.Tensor, what: str,
+                                        **bound) -> None:
+    """tests.numerics.assert_matches_oracle after reconcile_special (inputs with NaN / infinities)."""
+    from tests.numerics import assert_matches_oracle
+
+    assert_matches_oracle(ours, *reconcile_special(ours, yardstick, oracle), what, **bound)
+
+
 def three_gradients(backend: str, mine, theirs, exact_out, grad, mine_in, theirs_in, exact_in):
     """The gradients of kernelforge's output (on `backend`), torch's same-dtype output (the
     yardstick) and the float64 oracle's, for one incoming gradient `grad`."""
