@@ -4,7 +4,8 @@
 #   build    compile every CUDA extension, in parallel, into .kfcache/ (kept on a warm machine)
 #   tests    the GPU suite (pytest -m gpu): op tests spread over 8 workers file by file (test by
 #            test, workers compile the same kernels at once: slower), then the timing tests alone
-#   focus    the GPU tests in $FOCUS_TESTS only (8 workers), e.g. FOCUS_TESTS="tests/ops/test_attention.py"
+#   focus    the GPU tests in $FOCUS_TESTS only ($FOCUS_WORKERS, default 8, test by test), e.g.
+#            FOCUS_TESTS="tests/ops/test_attention.py"
 #   attention-sweep  benchmarks/tuning/attention_sweep.py (tile sweep next to SDPA flash / cuDNN)
 #   gemm-sweep  benchmarks/tuning/gemm_sweep.py $GEMM_SWEEP_ARGS (tile configs and a TMA kernel against cuBLAS)
 #   gemm-overhead  benchmarks/tools/gemm_overhead.py (host cost per kf.gemm call, and its profile)
@@ -18,7 +19,7 @@
 #            (later stages of the call then load them instead of building JIT)
 #   memcheck / racecheck  compute-sanitizer --tool memcheck / racecheck over each of $MEMCHECK_TESTS /
 #            $RACECHECK_TESTS (FILE or FILE:SECONDS; default tests/cuda), $MEMCHECK_K / $RACECHECK_K
-#            replacing each file's -k selection
+#            replacing each file's -k selection, $SANITIZE_JOBS of them at once (default 1)
 #   demo     kernelforge demo $DEMO_ARGS (the example models at every level: table, JSON, plot) into demo/
 #   script   python3 $SCRIPT (one benchmark or probe script with its arguments) into script.log
 #   sweep    benchmarks/tuning/softmax_sweep.py (the Triton softmax launch configs), JSON into results/
@@ -39,6 +40,19 @@ SWEEP_ARGS=${SWEEP_ARGS:-}
 status=0
 # DOCTOR=0 skips the doctor (it measures the ceilings: ~1 minute)
 [ "${DOCTOR:-1}" = 0 ] || python3 -m kernelforge.cli doctor > "$R/doctor.log" 2>&1
+sanitize() {  # STAGE ENTRY [K]: one file or node id under compute-sanitizer, its log under $R
+  local stage=$1 entry=$2 file=$2 limit=${SANITIZE_TIMEOUT:-200} k rc log
+  case ${entry##*:} in ''|*[!0-9]*) ;; *) file=${entry%:*}; limit=${entry##*:} ;; esac
+  case $file in tests/ops/*|tests/test_special_values.py*) k="cuda-cuda or triton-cuda or opcheck[cuda]" ;;
+    *) k="not speed" ;; esac
+  [ -n "${3:-}" ] && k=$3
+  log="$R/$stage-$(echo "${file#tests/}" | sed 's/\.py//; s/::/-/g; s#/#-#g').log"
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$limit" compute-sanitizer --tool "$stage" \
+    --error-exitcode 99 --print-limit 20 python3 -m pytest -m gpu -v -p no:cacheprovider -p no:xdist \
+    -k "$k" "$file" > "$log" 2>&1
+  rc=$?; echo "$stage $file: exit $rc $(grep -E "ERROR SUMMARY|passed|failed" "$log" | tail -n 2 | tr '\n' ' ')"
+  return $rc
+}
 for stage in $stages; do
   start=$SECONDS
   case $stage in
@@ -58,11 +72,13 @@ for stage in $stages; do
       status=$(( status | $? ))
       grep -E "^(FAILED|ERROR)" "$R/gpu-tests.log" | head -60; tail -n 2 "$R/gpu-tests.log" "$R/gpu-tests-timing.log" ;;
     focus)
-      timeout "${FOCUS_TIMEOUT:-420}" python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 8 --durations=15 \
-        -k "${FOCUS_K:-}" $FOCUS_TESTS \
+      # SIGINT at the limit: pytest still prints its summary of what ran (a kill would lose it)
+      KERNELFORGE_FAILURE_LOG="$R/gpu-focus-failures.log" \
+        timeout -s INT -k 30 "${FOCUS_TIMEOUT:-420}" python3 -m pytest -m gpu -v -p no:cacheprovider -rfEs \
+        -n "${FOCUS_WORKERS:-8}" --durations=15 -k "${FOCUS_K:-}" $FOCUS_TESTS \
         > "$R/gpu-focus-tests.log" 2>&1
       status=$(( status | $? ))
-      grep -E "^(FAILED|ERROR)" "$R/gpu-focus-tests.log" | head -40; tail -n 2 "$R/gpu-focus-tests.log" ;;
+      grep -E "(FAILED|ERROR) tests/" "$R/gpu-focus-tests.log" | head -40; tail -n 2 "$R/gpu-focus-tests.log" ;;
     attention-sweep)
       timeout "${SWEEP_TIMEOUT:-400}" python3 benchmarks/tuning/attention_sweep.py --out "$R" $SWEEP_ARGS > "$R/attention-sweep.log" 2>&1
       status=$(( status | $? )); grep -v "^   " "$R/attention-sweep.log" | tail -n 14 ;;
@@ -114,17 +130,11 @@ for stage in $stages; do
                # that -k selection)
       tests_var=${stage^^}_TESTS; k_var=${stage^^}_K
       for entry in ${!tests_var:-tests/cuda}; do
-        file=$entry; limit=${SANITIZE_TIMEOUT:-200}
-        case ${entry##*:} in ''|*[!0-9]*) ;; *) file=${entry%:*}; limit=${entry##*:} ;; esac
-        case $file in tests/ops/*|tests/test_special_values.py*) k="cuda-cuda or triton-cuda or opcheck[cuda]" ;;
-          *) k="not speed" ;; esac
-        [ -n "${!k_var:-}" ] && k="${!k_var}"
-        log="$R/$stage-$(echo "${file#tests/}" | sed 's/\.py//; s/::/-/g; s#/#-#g').log"
-        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$limit" compute-sanitizer --tool "$stage" \
-          --error-exitcode 99 --print-limit 20 python3 -m pytest -m gpu -v -p no:cacheprovider -p no:xdist \
-          -k "$k" "$file" > "$log" 2>&1
-        rc=$?; status=$(( status | rc )); echo "$stage $file: exit $rc"; grep -E "ERROR SUMMARY|passed|failed" "$log" | tail -n 3
-      done ;;
+        # $SANITIZE_JOBS entries at once (default 1; more not yet tried on a device)
+        while [ "$(jobs -rp | wc -l)" -ge "${SANITIZE_JOBS:-1}" ]; do wait -n; status=$(( status | $? )); done
+        sanitize "$stage" "$entry" "${!k_var:-}" &
+      done
+      for job in $(jobs -p); do wait "$job"; status=$(( status | $? )); done ;;
     demo)
       timeout "${DEMO_TIMEOUT:-400}" python3 -m kernelforge.cli demo --out "$R/demo" ${DEMO_ARGS:-} > "$R/demo.log" 2>&1
       status=$(( status | $? )); tail -n 30 "$R/demo.log" ;;

@@ -52,6 +52,16 @@ def fresh_eager_plans():
     backends.forget_choices()
 
 
+@pytest.fixture(autouse=True)
+def return_cached_gpu_memory():
+    """The GPU suite's workers share one GPU: after each test a worker hands its allocator's cached
+    blocks back, so a large test in another worker finds the memory (else one worker's cache of
+    earlier tests makes the others' allocations fail as out of memory)."""
+    yield
+    if HAS_CUDA and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture
 def no_eager_plans():
     """Every op call in the test runs its implementation's Python: for tests that count or spy on
@@ -60,3 +70,12 @@ def no_eager_plans():
 
     with _eager_plans.disabled():
         yield
+
+
+def pytest_runtest_logreport(report):
+    """KERNELFORGE_FAILURE_LOG=<file>: each failure's report appended as it happens (by the
+    controlling process under xdist), so a GPU run cut by its time limit still says why."""
+    path = os.environ.get("KERNELFORGE_FAILURE_LOG")
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(path, "a") as log:
+            log.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext[-3000:]}\n")
