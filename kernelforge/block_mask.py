@@ -53,7 +53,7 @@ MaskFunction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 EMPTY, FULL = -2, -1  # tile kinds in the dense kind table; >= 0 is a partial id
 # Mask tiles default to the Gluon forward's and the Triton backward's 64 x 64 kernel tile: a
 # coarser mask tile makes the kernels walk its empty sub-tiles. Measured on an H200 (S = 8192,
-# 2 x 16 heads, d128, bf16; benchmarks/results/nvidia-h200/attention/block-mask-experiment/),
+# 2 x 16 heads, d128, bf16; benchmarks/results/nvidia-h200/0.1.0/attention/block-mask-experiment/),
 # 64 x 64 against 128 x 128 tiles, forward and forward+backward (the backward at one stage
 # then): a causal window of 512 205 against 226 us and 1.04 against 1.18 ms; local + global 319
 # against 426 us and 1.76 against 2.31 ms; a dilated window (every tile partial) 401 against

@@ -1,4 +1,5 @@
-"""The documentation holds together: every relative link in the README, docs/ and examples/
+"""The documentation holds together: every relative link in the README, docs/, examples/ and the
+benchmarks' READMEs (the results index included)
 resolves to a file of the repository (and a #section to a heading of it), and nothing in the
 repository points at documents outside it."""
 import re
@@ -8,7 +9,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "examples").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "notes").glob("*.md")),
+         *sorted((ROOT / "examples").glob("*.md")), ROOT / "benchmarks" / "README.md",
+         *sorted((ROOT / "benchmarks" / "results").rglob("README.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 # Phrases that point outside the repository: the planning documents the project started from.
 OUTSIDE = re.compile(r"design documents?|TARGETS\.md|DESIGN\.md|\.\./shared/", re.IGNORECASE)

@@ -4,7 +4,7 @@ gradient: twice that), timed on L2-cold logits and checked against torch's logsu
 fixed launch shape.
 
 A first version also swept a lane-wise running max and sum and pipelining stages in the forward
-(19a6889, results in benchmarks/results/nvidia-h200/models/937951e-loss/ce-sweep.log): slower at
+(19a6889, results in benchmarks/results/nvidia-h200/0.1.0/models/937951e-loss/ce-sweep.log): slower at
 every shape, removed.
 
     python benchmarks/tuning/cross_entropy_sweep.py [--shapes 4096x128256,16384x32000]

@@ -2,7 +2,7 @@
 
 The split-key decode kernels (kernelforge/triton/attention_decode.py) read the KV cache once;
 at B8 and long caches they reach ~4.0-4.1 TB/s where SDPA's default reaches ~4.5 (H200,
-results/nvidia-h200/attention/4637225/). This varies the key tile, warps, stages, and how many
+results/nvidia-h200/0.1.0/attention/4637225/). This varies the key tile, warps, stages, and how many
 programs an SM gets (the split count), timing the op (L2 flushed, median of
 triton.testing.do_bench) next to SDPA.
 

@@ -13,7 +13,7 @@ a row-major (K, N) matrix ("nn"):
 with the float32 promotion per K tile ("precise") and without ("fast"), both kernels.
 
 The first run (before gemm_tma_kernel existed) also timed Triton's warp specialization and
-an epilogue stored in two halves: neither helped on the H200 (results/nvidia-h200/gemm/sweep/).
+an epilogue stored in two halves: neither helped on the H200 (results/nvidia-h200/0.1.0/gemm/sweep/).
 
 --tiny: one small float16 product on the CPU (the interpreter's bfloat16 dot is wrong), one config
 of each kernel (Triton through TRITON_INTERPRET=1): checks the script runs.

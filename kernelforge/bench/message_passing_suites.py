@@ -15,7 +15,7 @@ index_select's (E, F) intermediate written and read back by index_add_ (eager). 
 rate of useful bytes, not of traffic; the peak memory column shows eager's (E, F) messages.
 
 Measured on an H200 at 70fb624 by this suite's predecessor, benchmarks/gather_scatter_bench.py
-(benchmarks/results/nvidia-h200/models/70fb624-loss-kernels/gs-bench.log; docs/performance.md):
+(benchmarks/results/nvidia-h200/0.1.0/models/70fb624-loss-kernels/gs-bench.log; docs/performance.md):
 6-9x eager forward and forward+backward; torch.compile's forward is the same kernel in effect (at
 par), its bf16 backward ~3x slower than ours (the reference's backward adds bf16 gradients
 atomically). The float32 atomics bound the kernel at 30-75% of the copy rate. A sweep of the

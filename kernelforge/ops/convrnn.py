@@ -82,7 +82,7 @@ def _why_not_reference(x: torch.Tensor, kernel: torch.Tensor, backward: bool = F
     return None
 
 
-# H200, bf16, batch 8, 3 taps (results/nvidia-h200/convrnn/2a6b9ef-backward/), ms forward, then
+# H200, bf16, batch 8, 3 taps (results/nvidia-h200/0.1.0/convrnn/2a6b9ef-backward/), ms forward, then
 # forward + backward, Triton / CUDA:
 #   T16 F64 0.063 / 0.038, 0.34 / 0.27       T16 F4096 0.059 / 0.043, 0.32 / 0.25
 #   T256 F1024 0.38 / 0.23, 0.75 / 0.35      T4096 F64 1.50 / 2.38, 4.28 / 3.84

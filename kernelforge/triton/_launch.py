@@ -190,7 +190,7 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     Triton's JITFunction.run binds and specializes every argument, reads its environment knobs
     and looks the kernel up on every call: 14 us for a kernel of 31 arguments against 6 us for
     the compiled launcher alone, and 27 us for the GEMM kernel (H200 host; measured by
-    benchmarks/results/nvidia-h200/host/). Here the first call at a specialization goes through Triton
+    benchmarks/results/nvidia-h200/0.1.0/host/). Here the first call at a specialization goes through Triton
     (compiling if needed); later calls with the same keyword arguments and the same
     specialization of every positional argument (`_spec`, which separates at least whatever
     Triton separates; `_key`) call the compiled launcher directly, as Inductor's generated

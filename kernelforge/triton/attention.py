@@ -49,7 +49,7 @@ def _pow2(n: int) -> int:
 # Forward tiles by padded head dim. Each program keeps a BLOCK_M x D query tile and a
 # BLOCK_M x Dv accumulator in registers and streams BLOCK_N x D key / value tiles through
 # shared memory (num_stages deep). Measured on an H200, bf16, B*S = 16384, 16 heads
-# (benchmarks/results/nvidia-h200/attention/attention_sweep.json): for d = 64 and 128,
+# (benchmarks/results/nvidia-h200/0.1.0/attention/6891cfa/attention_sweep.json): for d = 64 and 128,
 # 128x64 tiles with 8 warps and 3 stages are the best or within 3% of the best of eight
 # candidates at every S in 1024..8192, causal or not (d128 S8192: 482 TFLOP/s; 4 warps
 # with the same tiles: 294). d <= 32 and d = 256 are not swept: 32 takes the same tiles
@@ -80,7 +80,7 @@ BACKWARD_TILES = {
 WINDOW_FORWARD_TILE = TileConfig(64, 64, 4, 3)
 # Pipeline depth of the block-sparse backward: mask tiles cut into several kernel tiles (an
 # unrolled sub-tile loop inside the list loop) lose to deeper pipelining, whole ones gain.
-# Window-512 BlockMask, S=8192, d128, H200 (benchmarks/results/nvidia-h200/attention/
+# Window-512 BlockMask, S=8192, d128, H200 (benchmarks/results/nvidia-h200/0.1.0/attention/
 # block-mask-experiment/run3-085bc50-backward-stages.log): 128 x 128 mask tiles 0.95 ms at 1
 # stage, 1.28 at 2; 64 x 64 (one kernel tile each) 0.83 ms at 1 stage, 0.75 at 2, 0.77 at 3.
 BLOCK_SPARSE_BACKWARD_STAGES = {"whole": 2, "cut": 1}

@@ -35,7 +35,7 @@ MIN_KEYS = 512  # shorter caches: one query-tiled program walks them quickly eno
 KEYS_PER_SPLIT = 64
 # Key ranges are cut while B * Hkv * splits stays within this many programs an SM, the split
 # count rounded down (two fit at once; a memory-bound 4-warp program needs the company to keep
-# loads in flight). H200, the attention_decode suite (results/nvidia-h200/attention/decode-two-per-sm/),
+# loads in flight). H200, the attention_decode suite (results/nvidia-h200/0.1.0/attention/decode-two-per-sm/),
 # device time against one program an SM rounded up (85ad993): B1 H32/8 Sk65536 91 -> 79 us
 # (17 splits had put 136 programs on 132 SMs), B8 H32/8 Sk65536 493 -> 484 us, B1 H32/32
 # Sk65536 267 -> 251 us, no shape slower. Rounding down at one an SM (68f35e4) had left

@@ -41,7 +41,7 @@ without a BlockMask runs a one-stage ring, three programs an SM (attention_gluon
 No atomics: deterministic.
 
 Measured (H200, bf16, 2 x 16 x 8192; the Gluon backward experiment, docs/notes/attention.md, its logs
-in benchmarks/results/nvidia-h200/attention/gluon-backward-experiment/), dK/dV + dQ against the
+in benchmarks/results/nvidia-h200/0.1.0/attention/gluon-backward-experiment/), dK/dV + dQ against the
 Triton backward (delta, dK/dV, dQ):
 
     d128 causal window 512: 312 + 213 us against 662;  d64: 204 + 118 against 392

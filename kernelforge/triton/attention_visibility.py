@@ -20,7 +20,7 @@ LN2 = tl.constexpr(0.6931471805599453)
 # A value of the MASKED parameter: a short band walked as one pipelined loop, whose first and
 # last tiles take the band check under a run-time branch (the three-loop split of masked /
 # unmasked / masked tiles pays a pipeline fill and drain per loop: on a 9-tile window run that
-# cost 20%; benchmarks/results/nvidia-h200/attention/window-experiment/).
+# cost 20%; benchmarks/results/nvidia-h200/0.1.0/attention/window-experiment/).
 EDGE_AT_RUN_TIME = tl.constexpr(2)
 
 

@@ -28,7 +28,7 @@ call's tensors: `rebased`). A later call at the signature allocates the output, 
 tensors and launches the chosen config through kernelforge.triton._launch.launch: no tuner,
 heuristics, rule or descriptor check runs again (before, the launcher's Python around the launch
 took 17 of the 63 us of host time a 16x4096x4096 bf16 call cost on the H200 host:
-benchmarks/results/nvidia-h200/host/host-timeline-4637225.log).
+benchmarks/results/nvidia-h200/0.1.0/host/4637225-host-timeline/host-timeline-4637225.log).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 Why a second GEMM next to gemm_kernels.gemm_tma_kernel: Triton 3.6's persistent TMA kernel
 reaches 0.93-0.97x cuBLAS at 4096^3 on an H200 (bf16), 0.79-0.85x torch._scaled_mm for fp8
 with cuBLAS's float32 promotion, and no tile, stage count or programs-an-SM closes the gap
-(benchmarks/results/nvidia-h200/gemm/sweep/). There the same warps issue the TMA loads, wait
+(benchmarks/results/nvidia-h200/0.1.0/gemm/sweep/). There the same warps issue the TMA loads, wait
 for them, run the MMAs and the epilogue. Here, as cuBLAS's Hopper kernels do, one loader warp
 only streams A and B tiles through a ring of shared-memory stages (TMA, mbarrier completion),
 and two consumer warpgroups only multiply (async wgmma) and run the epilogue: a stage is

@@ -244,7 +244,7 @@ def gemm_tma_kernel(
     that arrives last adds the SPLIT_K partials in slice order (so the bits do not depend on
     which unit was last), runs the epilogue, and sets the count back to zero for the next
     launch. No second kernel: a separate summing pass cost 1.2-5.7 us and a launch gap
-    (benchmarks/results/nvidia-h200/gemm/8a845ed-split-k-two-pass/). Bytes: + SPLIT_K x
+    (benchmarks/results/nvidia-h200/0.1.0/gemm/8a845ed-split-k-two-pass/). Bytes: + SPLIT_K x
     M x N x 4 written and read back (from L2: just written). M_BUCKET and SPLIT_CHOICES (the
     slice counts the autotuner may pick SPLIT_K from, one bit each) are only its key.
     """

@@ -34,7 +34,7 @@ def _config(block_n, block_k, warps, split=1):
 
 
 # The winners of benchmarks/tuning/decode_step_sweep.py at one row (H200, bf16; results in
-# benchmarks/results/nvidia-h200/models/97577be-decode-step-sweep/): 8 x 512 / 4 warps at N 6144
+# benchmarks/results/nvidia-h200/0.1.0/models/97577be-decode-step-sweep/): 8 x 512 / 4 warps at N 6144
 # (K 2048 and 4096), 4 x 1024 / 8 warps at 2048 x 2048, 4 x 1024 / 4 at 2048 x 5472, 16 x 256 / 4 at 10944 x 2048,
 # 8 x 1024 / 4 at the vocabulary, 4096 x 4096, 28672 x 4096 and 4096 x 14336. Software
 # pipelining (num_stages) changed nothing there: the loads are not a tl.dot's.

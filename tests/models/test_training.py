@@ -40,7 +40,7 @@ def test_kernelforge_levels_train_like_pytorch_in_bf16_on_gpu():
         # apart chaotically at this learning rate: over seeds 0-3 the mean of the last 50 steps moved by
         # up to 0.145 between native with torch's loss and native with kernelforge's (whose gradients
         # agree with torch's within bf16 rounding at every step; docs/notes/training.md, results in
-        # benchmarks/results/nvidia-h200/models/).
+        # benchmarks/results/nvidia-h200/0.1.0/models/).
         assert (curve[:20] - native[:20]).abs().max() < 0.05, level
         assert curve[-20:].mean() < 0.5 * curve[0], level  # and it learns as native does
         assert abs(curve[-50:].mean() - native[-50:].mean()) < 0.25, level
