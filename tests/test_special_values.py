@@ -87,7 +87,7 @@ def cases(spots):
     yield "gemm", everywhere, [x, weight], (0, 1), kf.gemm, torch.matmul
     yield ("gemm + gelu", everywhere, [x, weight], (0, 1), lambda a, b: kf.gemm(a, b, activation="gelu"),
            lambda a, b: F.gelu(a @ b))
-    yield ("gemm + residual", everywhere, [planted(spots[:1], 4, 5) if spots[0][0][0] < 4 else torch.randn(4, 5),
+    yield ("gemm + residual", everywhere, [planted(spots[:1], 4, 5) if spots and spots[0][0][0] < 4 else torch.randn(4, 5),
                                            other, weight], (0, 1, 2),
            lambda r, a, b: kf.gemm(a, b, residual=r), lambda r, a, b: a @ b + r)
     for reduce in ("sum", "mean"):
