@@ -431,8 +431,23 @@ class Plan:
         return outputs[0] if self.container is None else self.container(outputs)
 
 
+NOTHING_TO_REPLAY = NoPlan("no Triton kernel can run on these tensors (CUDA, or CPU under Triton's interpreter): "
+                           "the implementation runs torch ops, which a plan does not replay")
+
+
+def _triton_can_run(inputs: list) -> bool:
+    from kernelforge.triton import interpreter_enabled
+
+    return any(t.is_cuda for t in inputs) or (interpreter_enabled() and any(t.device.type == "cpu" for t in inputs))
+
+
 def record(impl: Callable, args: tuple, inputs: list):
-    """(impl(*args), its Plan or NoPlan): the call, run under a recording."""
+    """(impl(*args), its Plan or NoPlan): the call, run under a recording. Not where no launch can
+    happen (a CPU without Triton's interpreter, MPS): a recording would find nothing to replay,
+    and entering its dispatch mode the first time imports torch._dynamo (about a second on a CPU,
+    at an op's second call)."""
+    if not _triton_can_run(inputs):
+        return impl(*args), NOTHING_TO_REPLAY
     rec = _Recording(inputs)
     with _active_lock:
         _active[0] += 1
@@ -447,5 +462,5 @@ def record(impl: Callable, args: tuple, inputs: list):
     return outputs, rec.plan(outputs)
 
 
-__all__ = ["MAX_PLANS", "NoPlan", "Plan", "SEEN_ONCE", "add_state", "disabled", "enabled", "record", "recording",
+__all__ = ["MAX_PLANS", "NOTHING_TO_REPLAY", "NoPlan", "Plan", "SEEN_ONCE", "add_state", "disabled", "enabled", "record", "recording",
            "remove_state", "signature", "state"]

@@ -305,3 +305,14 @@ def test_every_triton_launch_goes_through_launch():
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
                 offenders.append(f"{path.name}:{node.lineno}")
     assert not offenders, f"kernels launched around kernelforge.triton._launch.launch: {offenders}"
+
+
+def test_no_recording_where_no_triton_kernel_can_run(monkeypatch):
+    # a CPU without Triton's interpreter: the reference runs torch ops, nothing a plan replays; the
+    # second call is not recorded (a recording's dispatch mode imports torch._dynamo: ~1 s once)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x, y = _fresh("cpu")
+    for _ in range(3):
+        torch.testing.assert_close(SCALED(x, y, 1.5), x * 1.5)
+    assert SCALED.plan(x, y, 1.5) is _eager_plans.NOTHING_TO_REPLAY
+    assert replays["count"] == 0
