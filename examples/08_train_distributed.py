@@ -1,16 +1,20 @@
 """Train the example LanguageModel on the text shipped with kernelforge on several processes
-(torchrun), data-parallel (DDP, FSDP2) or tensor-parallel (TP, TP with sequence parallelism),
-with checkpoints that a later run resumes from.
+(torchrun), data-parallel (DDP, FSDP2), tensor-parallel (TP, TP with sequence parallelism) or
+both (FSDP2 x TP on a 2-D mesh), with checkpoints that a later run resumes from.
 
     python examples/08_train_distributed.py                      # one process, a few seconds on a CPU
     torchrun --standalone --nproc_per_node 2 examples/08_train_distributed.py --parallel ddp --steps 100
     torchrun --standalone --nproc_per_node 4 examples/08_train_distributed.py --parallel tp-sp \
         --level native --dim 256 --layers 4 --heads 8 --checkpoint-dir runs/ckpt --checkpoint-every 50
     torchrun ... (the same arguments) --resume                # continues from runs/ckpt's last checkpoint
+    torchrun --standalone --nproc_per_node 4 examples/08_train_distributed.py --parallel fsdp2-tp --tp 2
 
 The plans are kernelforge.distributed.plans': --parallel none (one process: no torchrun, or a world
 of one), ddp and fsdp2 (each rank its slice of the global batch, --batch-size sequences a step
-across all ranks), tp and tp-sp (every rank the whole batch; the heads split over the ranks).
+across all ranks), tp and tp-sp (every rank the whole batch; the heads split over the ranks),
+fsdp2-tp and fsdp2-tp-sp (a (dp, tp) mesh, dp = world / --tp: the heads split over the --tp
+ranks of a dp group, FSDP2 sharding each of their shards over dp; each dp group its slice of the
+batch).
 Every rank builds the model from the same seed. The model runs at any level
 (kernelforge.models.LEVELS: reference, native, compile, triton, ...); its backward runs inside
 `model.kernel_scope()` at that level too. Backend: gloo on a CPU, nccl on CUDA (one GPU a rank,
@@ -51,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-PARALLEL = ("none", "ddp", "fsdp2", "tp", "tp-sp")
+PARALLEL = ("none", "ddp", "fsdp2", "tp", "tp-sp", "fsdp2-tp", "fsdp2-tp-sp")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 CHECKPOINT = re.compile(r"step_(\d{8})$")
 
@@ -113,8 +117,21 @@ def setup(args):
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.parallel == "none" and world > 1:
-        raise SystemExit(f"--parallel none runs one process; torchrun started {world}: pick ddp, fsdp2, tp or tp-sp")
+        raise SystemExit(f"--parallel none runs one process; torchrun started {world}: pick one of {PARALLEL[1:]}")
     return rank, world, device
+
+
+def mesh_shape(args, world: int) -> tuple[int, int]:
+    """(dp, tp): the ranks that split the batch, and those that split the heads."""
+    if args.parallel in ("ddp", "fsdp2"):
+        return world, 1
+    if args.parallel in ("tp", "tp-sp"):
+        return 1, world
+    if args.parallel.startswith("fsdp2-tp"):
+        if args.tp < 1 or world % args.tp:
+            raise SystemExit(f"--tp {args.tp} does not divide the {world} ranks")
+        return world // args.tp, args.tp
+    return 1, 1
 
 
 def build(args, world: int, device):
@@ -132,13 +149,15 @@ def build(args, world: int, device):
 
         from kernelforge.distributed.plans import data_parallel, tensor_parallel
 
-        mesh = init_device_mesh(device.type, (world,))
+        mesh = init_device_mesh(device.type, mesh_shape(args, world), mesh_dim_names=("dp", "tp"))
         if args.parallel == "ddp":
             trainer = data_parallel(model, "ddp", mesh=mesh)
         elif args.parallel == "fsdp2":
             data_parallel(model, "fsdp2", mesh=mesh)
-        else:
-            tensor_parallel(model, mesh, sequence_parallel=args.parallel == "tp-sp")
+        else:  # TP on mesh["tp"], then (fsdp2-tp*) FSDP2 over mesh["dp"]
+            tensor_parallel(model, mesh, sequence_parallel=args.parallel.endswith("-sp"))
+            if args.parallel.startswith("fsdp2"):
+                data_parallel(model, "fsdp2", mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     return model, trainer, optimizer
 
@@ -232,6 +251,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--parallel", choices=PARALLEL, default="none")
+    parser.add_argument("--tp", type=int, default=2, help="fsdp2-tp*: the tensor-parallel ranks (dp = world / tp)")
     parser.add_argument("--level", default="reference", help="the model's level (kernelforge.models.LEVELS)")
     parser.add_argument("--steps", type=int, default=10, help="train up to this step (a resumed run: in all)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences a step, over all ranks")
@@ -263,12 +283,13 @@ def main(argv=None) -> int:
 
     rank, world, device = setup(args)
     say = print if rank == 0 else (lambda *a, **k: None)
-    dp = world if args.parallel in ("ddp", "fsdp2") else 1
+    dp, tp = mesh_shape(args, world)
     if args.batch_size % dp:
         raise SystemExit(f"--batch-size {args.batch_size} does not split over {dp} ranks")
-    if args.parallel == "tp-sp" and args.seq_len % world:
-        raise SystemExit(f"--seq-len {args.seq_len} does not split over {world} ranks (sequence parallelism)")
+    if args.parallel.endswith("-sp") and args.seq_len % tp:
+        raise SystemExit(f"--seq-len {args.seq_len} does not split over {tp} ranks (sequence parallelism)")
     local_batch = args.batch_size // dp
+    dp_rank = rank // tp  # the mesh is (dp, tp), row-major: the tp ranks of a dp group are consecutive
 
     model, trainer, optimizer = build(args, world, device)
     if args.checkpoint_dir:
@@ -297,7 +318,7 @@ def main(argv=None) -> int:
     while step < args.steps:
         tokens = data.next_batch(args.batch_size)
         if dp > 1:
-            tokens = tokens[rank * local_batch: (rank + 1) * local_batch]
+            tokens = tokens[dp_rank * local_batch: (dp_rank + 1) * local_batch]
         with trainer.kernel_scope():
             loss = trainer.loss(tokens.to(device))
             loss.backward()
@@ -306,9 +327,9 @@ def main(argv=None) -> int:
         step += 1
         if step % args.log_every == 0 or step == args.steps:
             value = loss.detach().double()
-            if dp > 1:  # the mean of equal slices' means: the global batch's
+            if dp > 1:  # the mean of equal slices' means (each tp rank of a slice holds it): the global batch's
                 dist.all_reduce(value)
-                value /= dp
+                value /= world
             elapsed = time.perf_counter() - last_time
             rate = local_batch * args.seq_len * (step - last_step) / elapsed
             memory, how = peak_memory_mib(device)

@@ -6,6 +6,10 @@ from the model as TorchTitan keeps its plans, on torch.distributed's own APIs.
     ddp = data_parallel(model, "ddp")                      # ddp.loss(ids), ddp(ids)
     data_parallel(model, "fsdp2")                          # in place; model.loss(ids) as before
 
+    mesh = init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))   # FSDP2 x TP
+    tensor_parallel(model, mesh["tp"])                     # or the 2-D mesh: its "tp" dimension
+    data_parallel(model, "fsdp2", mesh=mesh)               # or mesh["dp"]
+
 tensor_parallel: torch.distributed.tensor.parallel.parallelize_module with a plan per block, the
 parameters DTensors on the 1-D `mesh`:
   - the attention's fused QKV projection column-wise by heads: its weight (3C, C) is [q | k | v],
@@ -22,12 +26,19 @@ parameters DTensors on the 1-D `mesh`:
   - sequence_parallel: the norms (and norm2's fused add + norm) on Shard(1) DTensor activations
     (SequenceParallel), where kernelforge's registered row-op rules run them on each rank's rows;
     the residual stream stays a Shard(1) DTensor between blocks.
-Training only: generation's KV cache (new_cache) keeps the global head count.
+Generation (model.generate) runs tensor-parallel without sequence parallelism: each rank's KV cache
+holds its heads (new_cache follows the attention modules' head count), the logits come replicated,
+so every rank samples the same tokens (greedy, or with the same generator seed).
 
 data_parallel: "ddp" wraps the model in DistributedDataParallel (a DistributedLanguageModel, with
 `loss` running through DDP's forward, so its gradients are averaged); "fsdp2" applies
 torch.distributed.fsdp.fully_shard to each block, then to the root (with `loss` registered as a
-forward method, so the root's parameters are gathered for it).
+forward method, so the root's parameters are gathered for it). On a tensor-parallel model only
+"fsdp2" composes (as TorchTitan's FSDP2 x TP): `mesh` the 2-D (dp, tp) mesh or its "dp" sub-mesh,
+fully_shard sharding each TP DTensor parameter further over dp (a 2-D DTensor on the mesh; the
+fused QKV and [gate | up] weights on their columns, whose rows are strided blocks already). DDP
+refuses a tensor-parallel model: torch's DDP x TP path swaps the DTensor parameters for local
+tensors around every forward, which unties the tied embedding and head.
 """
 from __future__ import annotations
 
@@ -101,12 +112,32 @@ def _styles():
     return Colwise, Rowwise, FusedColwise
 
 
+def _sub_mesh(mesh, name: str, caller: str):
+    """`mesh` if 1-D, else its dimension `name` (a mesh of named dimensions, e.g. ("dp", "tp"))."""
+    if mesh.ndim == 1:
+        return mesh
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim == 2 and name in names:
+        return mesh[name]
+    raise ValueError(f"{caller}: mesh must be 1-D or 2-D with a {name!r} dimension (mesh_dim_names=('dp', 'tp')), "
+                     f"got a {mesh.ndim}-D mesh named {names}")
+
+
+def _tensor_parallel_mesh(model):
+    """The mesh of a tensor-parallel model's DTensor parameters; None if none is a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    return next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
+
+
 def tensor_parallel(model, mesh, sequence_parallel: bool = False):
-    """Tensor-parallelize `model` (a LanguageModel) in place over the 1-D `mesh` (module docstring);
-    returns it. Every rank must pass the same model (same seed): each keeps its shards of it."""
+    """Tensor-parallelize `model` (a LanguageModel) in place over `mesh`: 1-D, or 2-D with a "tp"
+    dimension (that one) (module docstring); returns it. Every rank must pass the same model (same
+    seed): each keeps its shards of it."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
+    mesh = _sub_mesh(mesh, "tp", "tensor_parallel")
     Colwise, Rowwise, FusedColwise = _styles()
     tp = mesh.size()
     cfg = model.config
@@ -180,26 +211,53 @@ def _ddp_class():
     return DistributedLanguageModel
 
 
+def _fsdp_placement_over_tp(param):
+    """FSDP2's placement over dp of a tensor-parallel parameter: dim 1 for the fused column-wise
+    weights (QKV, [gate | up]), whose rank rows are its part of each block: dim-0 chunks of those
+    would cut across the blocks, a layout no DTensor placement describes (full_tensor() and the
+    checkpoints would read it wrong); None (FSDP's default, dim 0) for the others."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if isinstance(param, DTensor) and any(isinstance(p, _StridedShard) for p in param.placements):
+        return Shard(1)
+    return None
+
+
 def data_parallel(model, mode: str = "ddp", mesh=None, **kwargs):
     """Data-parallelize `model` (a LanguageModel): mode "ddp" returns a DistributedLanguageModel
-    (DDP; `mesh`, if given, a 1-D mesh whose group it uses); "fsdp2" shards it in place
-    (fully_shard on each block, then the root, over `mesh` or the default group's) and returns it.
-    kwargs go to DDP or fully_shard."""
+    (DDP; `mesh`, if given, the mesh whose group it uses); "fsdp2" shards it in place (fully_shard
+    on each block, then the root, over `mesh` or the default group's) and returns it. `mesh`: 1-D,
+    or 2-D with a "dp" dimension (that one is used). A tensor-parallel model (tensor_parallel
+    first) takes "fsdp2" only, with the dp mesh given (module docstring). kwargs go to DDP or
+    fully_shard."""
+    if mode not in ("ddp", "fsdp2"):
+        raise ValueError(f"data_parallel: mode must be 'ddp' or 'fsdp2', got {mode!r}")
+    if mesh is not None:
+        mesh = _sub_mesh(mesh, "dp", "data_parallel")
+    tp_mesh = _tensor_parallel_mesh(model)
+    if tp_mesh is not None:
+        if mode == "ddp":
+            raise ValueError("data_parallel: DDP over a tensor-parallel model is not supported (torch's DDP x TP "
+                             "unties the tied embedding and head); use mode 'fsdp2' with the (dp, tp) mesh")
+        if mesh is None or mesh == tp_mesh:
+            raise ValueError("data_parallel: the model is tensor-parallel: pass mesh, the 2-D (dp, tp) mesh or its "
+                             "'dp' sub-mesh (not the tp mesh and not the default group's)")
     if mode == "ddp":
         if mesh is not None:
             kwargs.setdefault("process_group", mesh.get_group())
         return _ddp_class()(model, **kwargs)
-    if mode == "fsdp2":
-        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-        if mesh is not None:
-            kwargs.setdefault("mesh", mesh)
-        for layer in model.layers:
-            fully_shard(layer, **kwargs)
-        fully_shard(model, **kwargs)
-        register_fsdp_forward_method(model, "loss")  # the root's parameters gathered for loss too
-        return model
-    raise ValueError(f"data_parallel: mode must be 'ddp' or 'fsdp2', got {mode!r}")
+    if mesh is not None:
+        kwargs.setdefault("mesh", mesh)
+    if tp_mesh is not None:
+        kwargs.setdefault("shard_placement_fn", _fsdp_placement_over_tp)
+    for layer in model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    register_fsdp_forward_method(model, "loss")  # the root's parameters gathered for loss too
+    return model
 
 
 __all__ = ["data_parallel", "tensor_parallel"]

@@ -116,11 +116,12 @@ class LanguageModel(LevelledModel):
     def new_cache(self, batch: int, length: int, dtype: torch.dtype, device) -> tuple:
         """A KV cache of `length` rows: a (keys, values) pair per layer, each (B, H, length, D). Separate
         tensors: under torch.compile a write into a view of one larger tensor becomes a copy of all of it.
-        Zeros: rows past the position enter attention's weighted sum with weight 0, and 0 * nan is nan."""
-        cfg = self.config
-        shape = (batch, cfg.n_heads, length, cfg.dim // cfg.n_heads)
+        Zeros: rows past the position enter attention's weighted sum with weight 0, and 0 * nan is nan.
+        H is each layer's attention's own head count: under tensor parallelism (kernelforge.distributed.plans)
+        a rank attends over, and caches, its heads only."""
+        shapes = [(batch, layer.attn.num_heads, length, layer.attn.head_dim) for layer in self.layers]
         return tuple((torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                     for _ in range(cfg.n_layers))
+                     for shape in shapes)
 
     def decoder(self, batch: int, total: int, ids_dtype: torch.dtype = torch.int64, device=None) -> Decoder:
         """The decoding state (kernelforge.models.decoding.Decoder) for `batch` sequences of up to `total`

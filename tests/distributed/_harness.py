@@ -1,15 +1,17 @@
-"""The spawn harness of the DTensor tests: one 2-process gloo job (a 1-D mesh of 2 CPU ranks) runs
+"""The spawn harness of the DTensor tests: one gloo job (by default 2 processes, a 1-D mesh of 2 CPU
+ranks; `mesh_shape` / `mesh_dim_names` for another mesh, e.g. (2, 2) named ("dp", "tp")) runs
 every case of a module and writes each case's failure (or None) to a file; the module's tests read
 them, one test a case (`results_fixture`, `case_names`). `check` compares an op on DTensors with
 the op on the full tensors."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import time
 import traceback
-from typing import Callable
+from typing import Callable, Optional
 
 import pytest
 import torch
@@ -53,17 +55,19 @@ def check(mesh, fn, inputs, placements, expected, *, grad=True, grad_atol=1e-5):
                                        msg=lambda m: f"gradient of input {i}: {m}")
 
 
-def _worker(rank: int, port: int, out_dir: str, cases: Callable[[], dict]) -> None:
+def _worker(rank: int, port: int, out_dir: str, cases: Callable[[], dict], mesh_shape: tuple,
+            mesh_dim_names: Optional[tuple]) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=math.prod(mesh_shape))
     try:
         from kernelforge import use_backend
         from kernelforge.distributed import enable
         from torch.distributed.device_mesh import init_device_mesh
 
         assert enable()  # importing kernelforge.distributed registered the rules: this finds them there
-        mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=mesh_dim_names)
         results = {}
         with use_backend("reference"):
             for name, case in cases().items():
@@ -86,21 +90,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(out_dir, cases: Callable[[], dict]) -> dict:
-    """Run `cases()` (a module-level function: the spawned processes import it) in the job; the
-    cases' names -> None (passed) or the failure, with its rank."""
+def run_job(out_dir, cases: Callable[[], dict], mesh_shape: tuple = (WORLD_SIZE,),
+            mesh_dim_names: Optional[tuple] = None) -> dict:
+    """Run `cases()` (a module-level function: the spawned processes import it) in the job, one
+    process per rank of a mesh of `mesh_shape` (each case gets the mesh); the cases' names -> None
+    (passed) or the failure, with its rank."""
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(_worker, args=(_free_port(), str(out_dir), cases), nprocs=WORLD_SIZE, join=False,
-                                 start_method="spawn")
+    world_size = math.prod(mesh_shape)
+    context = mp.start_processes(_worker, args=(_free_port(), str(out_dir), cases, tuple(mesh_shape), mesh_dim_names),
+                                 nprocs=world_size, join=False, start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
     while not context.join(timeout=1):
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
-            pytest.fail(f"the {WORLD_SIZE}-process DTensor job did not finish in {TIMEOUT_S} s")
+            pytest.fail(f"the {world_size}-process DTensor job did not finish in {TIMEOUT_S} s")
     merged = {}
-    for rank in range(WORLD_SIZE):
+    for rank in range(world_size):
         for name, failure in json.loads((out_dir / f"rank{rank}.json").read_text()).items():
             if failure is not None:
                 merged[name] = f"rank {rank}: {failure}"
@@ -120,3 +127,16 @@ def assert_passed(results: dict, name: str) -> None:
     """One case of a job: it ran, and on every rank without a failure."""
     assert name in results, f"the job ran no case {name!r}"
     assert results[name] is None, results[name]
+
+
+def assert_same_step(got, expected) -> None:
+    """One training step's (loss, {name: gradient}, {name: parameter after the optimizer step})
+    equal the one-process run's, in float64."""
+    (loss, grads, params), (loss_ref, grads_ref, params_ref) = got, expected
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-10, atol=1e-12)
+    assert grads.keys() == grads_ref.keys(), (sorted(grads), sorted(grads_ref))
+    for name in grads_ref:
+        torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-9, atol=1e-12,
+                                   msg=lambda m: f"gradient of {name}: {m}")
+        torch.testing.assert_close(params[name], params_ref[name], rtol=1e-9, atol=1e-12,
+                                   msg=lambda m: f"updated {name}: {m}")

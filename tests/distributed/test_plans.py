@@ -3,7 +3,10 @@ float64 LanguageModel (the same seed on every rank) at the reference and native 
 training step (forward, loss, backward, AdamW step) tensor-parallel (with and without sequence
 parallelism: the same batch on both ranks) and data-parallel (DDP, FSDP2: each rank half the
 batch) against the one-process run of the same model on the full batch: the loss, every
-parameter's gradient and updated value (DTensors gathered with full_tensor())."""
+parameter's gradient and updated value (DTensors gathered with full_tensor()); greedy generation
+tensor-parallel against the unsharded model's tokens and KV cache. A second, 4-process job on a
+(dp, tp) = (2, 2) mesh: FSDP2 x TP (with and without sequence parallelism) against one process on
+the full batch, and data_parallel's refusals on a tensor-parallel model."""
 from __future__ import annotations
 
 import copy
@@ -11,7 +14,7 @@ import copy
 import pytest
 import torch
 
-from tests.distributed._harness import assert_passed, case_names, run_job, skip_without_gloo
+from tests.distributed._harness import assert_passed, assert_same_step, case_names, run_job, skip_without_gloo
 
 pytestmark = skip_without_gloo
 
@@ -39,17 +42,6 @@ def _step(model, loss_fn, ids):
     return full(loss.detach()), grads, params
 
 
-def _compare(got, expected):
-    (loss, grads, params), (loss_ref, grads_ref, params_ref) = got, expected
-    torch.testing.assert_close(loss, loss_ref, rtol=1e-10, atol=1e-12)
-    assert grads.keys() == grads_ref.keys(), (sorted(grads), sorted(grads_ref))
-    for name in grads_ref:
-        torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-9, atol=1e-12,
-                                   msg=lambda m: f"gradient of {name}: {m}")
-        torch.testing.assert_close(params[name], params_ref[name], rtol=1e-9, atol=1e-12,
-                                   msg=lambda m: f"updated {name}: {m}")
-
-
 def _tp_case(level, sequence_parallel):
     def case(mesh):
         from kernelforge.distributed.plans import tensor_parallel
@@ -67,7 +59,7 @@ def _tp_case(level, sequence_parallel):
         assert isinstance(qkv.placements[0], _StridedShard) and qkv.to_local().shape == (24, 16)
         assert model.layers[0].mlp.fc2.weight.placements == (Shard(1),)
         assert isinstance(model.layers[0].norm2.weight, DTensor) == sequence_parallel
-        _compare(_step(model, model.loss, ids), expected)
+        assert_same_step(_step(model, model.loss, ids), expected)
     return case
 
 
@@ -94,7 +86,27 @@ def _dp_case(level, mode):
             loss, grads, params = _step(model, model.loss, half)
         loss = loss.clone()
         dist.all_reduce(loss)  # the mean over equal halves: the full batch's mean
-        _compare((loss / 2, grads, params), expected)
+        assert_same_step((loss / 2, grads, params), expected)
+    return case
+
+
+def _generate_case(level):
+    def case(mesh):
+        import torch.distributed as dist
+        from kernelforge.distributed.plans import tensor_parallel
+
+        model = _model(level)
+        ids = torch.randint(0, 32, (2, 5))
+        reference = copy.deepcopy(model)
+        expected = reference.generate(ids, max_new_tokens=6, temperature=0)
+        tensor_parallel(model, mesh)
+        tokens = model.generate(ids, max_new_tokens=6, temperature=0)
+        torch.testing.assert_close(tokens, expected, rtol=0, atol=0)
+        heads = slice(2 * dist.get_rank(), 2 * dist.get_rank() + 2)  # the rank's 2 of the 4 heads
+        for (k, v), (k_ref, v_ref) in zip(model.decoding.cache, reference.decoding.cache):
+            assert k.shape[1] == 2
+            torch.testing.assert_close(k, k_ref[:, heads], rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(v, v_ref[:, heads], rtol=1e-10, atol=1e-12)
     return case
 
 
@@ -105,7 +117,58 @@ def _cases():
         cases[f"tensor-parallel-sequence-parallel-{level}"] = _tp_case(level, True)
         cases[f"ddp-{level}"] = _dp_case(level, "ddp")
         cases[f"fsdp2-{level}"] = _dp_case(level, "fsdp2")
+        cases[f"generate-tensor-parallel-{level}"] = _generate_case(level)
     return cases
+
+
+def _fsdp2_tp_case(sequence_parallel, dp_mesh_given):
+    def case(mesh):
+        from kernelforge.distributed.plans import data_parallel, tensor_parallel
+        from torch.distributed.tensor import DTensor
+
+        model = _model("reference")
+        ids = torch.randint(0, 32, (4, 9))
+        reference = copy.deepcopy(model)
+        expected = _step(reference, reference.loss, ids)
+        tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel)
+        data_parallel(model, "fsdp2", mesh=mesh["dp"] if dp_mesh_given else mesh)
+        qkv = model.layers[0].attn.qkv.weight  # (48, 16): tp rank (24, 16), then dp its 8 columns
+        assert isinstance(qkv, DTensor) and qkv.device_mesh.ndim == 2 and qkv.to_local().shape == (24, 8)
+        assert model.head.weight is model.tok_emb.weight
+        dp = mesh.get_local_rank("dp")
+        loss, grads, params = _step(model, model.loss, ids[2 * dp: 2 * dp + 2])  # the dp rank's half of the batch
+        loss = loss.clone()
+        torch.distributed.all_reduce(loss, group=mesh.get_group("dp"))  # the mean over equal halves
+        assert_same_step((loss / 2, grads, params), expected)
+    return case
+
+
+def _refusals_case(mesh):
+    from kernelforge.distributed.plans import data_parallel, tensor_parallel
+
+    with pytest.raises(ValueError, match="mesh must be 1-D or 2-D with a 'dp' dimension"):
+        data_parallel(_model("reference"), "fsdp2", mesh=_unnamed_2d(mesh))
+    model = tensor_parallel(_model("reference"), mesh)  # the 2-D mesh: its "tp" dimension
+    assert model.layers[0].attn.qkv.weight.device_mesh == mesh["tp"]
+    with pytest.raises(ValueError, match="DDP over a tensor-parallel model is not supported"):
+        data_parallel(model, "ddp", mesh=mesh)
+    for wrong in (None, mesh["tp"]):
+        with pytest.raises(ValueError, match="the model is tensor-parallel"):
+            data_parallel(model, "fsdp2", mesh=wrong)
+
+
+def _unnamed_2d(mesh):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", tuple(mesh.shape))  # 2-D without dimension names
+
+
+def _cases_2d():
+    return {
+        "fsdp2-tp": _fsdp2_tp_case(False, dp_mesh_given=False),
+        "fsdp2-tp-sequence-parallel": _fsdp2_tp_case(True, dp_mesh_given=True),
+        "refusals": _refusals_case,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +176,16 @@ def results(tmp_path_factory) -> dict:
     return run_job(tmp_path_factory.mktemp("plans"), _cases)
 
 
+@pytest.fixture(scope="module")
+def results_2d(tmp_path_factory) -> dict:
+    return run_job(tmp_path_factory.mktemp("plans-2d"), _cases_2d, mesh_shape=(2, 2), mesh_dim_names=("dp", "tp"))
+
+
 @pytest.mark.parametrize("name", case_names(_cases))
 def test_plan(results, name):
     assert_passed(results, name)
+
+
+@pytest.mark.parametrize("name", case_names(_cases_2d))
+def test_plan_2d(results_2d, name):
+    assert_passed(results_2d, name)

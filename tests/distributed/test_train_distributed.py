@@ -1,7 +1,8 @@
 """examples/08_train_distributed.py as a user runs it: `torchrun --standalone --nproc_per_node 2` on
-the CPU (gloo), a tiny float64 model at the reference level, 4 steps with a checkpoint every 2.
-Each plan's loss at every step equals the one-process run's on the full batch (DDP and FSDP2 give
-each rank half of it, TP the whole), and so do its final checkpoint's parameters; a run resumed
+the CPU (gloo) (4 for FSDP2 x TP on a (2, 2) mesh), a tiny float64 model at the reference level,
+4 steps with a checkpoint every 2. Each plan's loss at every step equals the one-process run's on
+the full batch (DDP and FSDP2 give each rank half of it, TP the whole, FSDP2 x TP each dp group
+half), and so do its final checkpoint's parameters; a run resumed
 from the step-2 checkpoint ends on the uninterrupted run's losses, parameters and AdamW state.
 Every run writes only into pytest's tmp_path (its working directory, TMPDIR, --checkpoint-dir)."""
 from __future__ import annotations
@@ -92,9 +93,9 @@ def test_no_arguments_is_a_quick_single_process_run(tmp_path):
     assert list((tmp_path / "tmp").glob("kernelforge-dist-*/step_00000010/.metadata"))  # the checkpoint at the end
 
 
-def check_plan(plan: str, one_process, tmp_path: Path) -> None:
+def check_plan(plan: str, one_process, tmp_path: Path, nproc: int = 2, *plan_args: str) -> None:
     expected_losses, expected_dir = one_process
-    losses = run(tmp_path, 2, *ARGS, "--parallel", plan, "--checkpoint-dir", str(tmp_path / "full"))
+    losses = run(tmp_path, nproc, *ARGS, "--parallel", plan, *plan_args, "--checkpoint-dir", str(tmp_path / "full"))
     assert losses.keys() == expected_losses.keys()
     for step in losses:  # the global batch's loss: the one process's on the whole batch
         assert losses[step] == pytest.approx(expected_losses[step], rel=1e-9), (step, losses, expected_losses)
@@ -104,7 +105,8 @@ def check_plan(plan: str, one_process, tmp_path: Path) -> None:
 
     # interrupted after step 2: a directory holding only the step-2 checkpoint, resumed to step 4
     shutil.copytree(tmp_path / "full" / "step_00000002", tmp_path / "resumed" / "step_00000002")
-    resumed = run(tmp_path, 2, *ARGS, "--parallel", plan, "--checkpoint-dir", str(tmp_path / "resumed"), "--resume")
+    resumed = run(tmp_path, nproc, *ARGS, "--parallel", plan, *plan_args, "--checkpoint-dir", str(tmp_path / "resumed"),
+                  "--resume")
     assert sorted(resumed) == [3, 4], resumed
     for step in resumed:
         assert resumed[step] == pytest.approx(losses[step], rel=1e-12), (step, resumed, losses)
@@ -120,3 +122,12 @@ def test_ddp(one_process, tmp_path):
 @pytest.mark.parametrize("plan", ["fsdp2", "tp", "tp-sp"])
 def test_plan(plan, one_process, tmp_path):
     check_plan(plan, one_process, tmp_path)
+
+
+def test_fsdp2_tp_on_a_2d_mesh(one_process, tmp_path):
+    check_plan("fsdp2-tp", one_process, tmp_path, 4, "--tp", "2")
+
+
+@pytest.mark.slow
+def test_fsdp2_tp_sequence_parallel_on_a_2d_mesh(one_process, tmp_path):
+    check_plan("fsdp2-tp-sp", one_process, tmp_path, 4, "--tp", "2")
