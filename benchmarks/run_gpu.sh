@@ -20,6 +20,8 @@
 #   memcheck / racecheck  compute-sanitizer --tool memcheck / racecheck over each of $MEMCHECK_TESTS /
 #            $RACECHECK_TESTS (FILE or FILE:SECONDS; default tests/cuda), $MEMCHECK_K / $RACECHECK_K
 #            replacing each file's -k selection, $SANITIZE_JOBS of them at once (default 1)
+#   distributed  (2+ GPUs) tests/distributed over NCCL, then examples/08_train_distributed.py on 1, 2, 4 GPUs
+#            per plan ($SCALING_PLANS, $SCALING_BATCH sequences a GPU, $SCALING_ARGS): scaling.log
 #   demo     kernelforge demo $DEMO_ARGS (the example models at every level: table, JSON, plot) into demo/
 #   script   python3 $SCRIPT (one benchmark or probe script with its arguments) into script.log
 #   sweep    benchmarks/tuning/softmax_sweep.py (the Triton softmax launch configs), JSON into results/
@@ -135,6 +137,30 @@ for stage in $stages; do
         sanitize "$stage" "$entry" "${!k_var:-}" &
       done
       for job in $(jobs -p); do wait "$job"; status=$(( status | $? )); done ;;
+    distributed)  # a machine of 2+ GPUs: tests/distributed over NCCL (one GPU a rank; jobs needing more
+                  # ranks than GPUs skip), then the training entry point on 1, 2, 4 GPUs (as many as
+                  # there are) per plan in $SCALING_PLANS at a fixed batch a GPU: tokens/s a GPU, peak memory
+      NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} KERNELFORGE_DIST_BACKEND=nccl timeout "${DIST_TESTS_TIMEOUT:-300}" \
+        python3 -m pytest -q -p no:cacheprovider -rfEs -m "not gpu" tests/distributed > "$R/distributed-tests.log" 2>&1
+      status=$(( status | $? )); grep -E "^(FAILED|ERROR)" "$R/distributed-tests.log" | head -20
+      tail -n 2 "$R/distributed-tests.log"
+      gpus=$(nvidia-smi -L | wc -l)
+      for plan in ${SCALING_PLANS:-none ddp fsdp2 tp}; do
+        for n in 1 2 4; do
+          [ "$n" -le "$gpus" ] || continue
+          [ "$plan" = none ] && [ "$n" -gt 1 ] && continue
+          [ "$plan" != none ] && [ "$n" -eq 1 ] && continue
+          per_gpu=${SCALING_BATCH:-8}  # sequences a GPU a step (TP: every rank the whole batch)
+          if [ "$plan" = tp ]; then batch=$per_gpu; else batch=$(( per_gpu * n )); fi
+          echo "== $plan on $n GPU(s), batch $batch" >> "$R/scaling.log"
+          NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} timeout "${SCALING_TIMEOUT:-120}" torchrun --standalone \
+            --nproc_per_node "$n" examples/08_train_distributed.py --parallel "$plan" --batch-size "$batch" \
+            ${SCALING_ARGS:---level triton --dtype bfloat16 --dim 1024 --layers 8 --heads 16 --seq-len 1024 --steps 40 --log-every 10} \
+            >> "$R/scaling.log" 2>&1
+          status=$(( status | $? ))
+        done
+      done
+      grep -E "^== |^step [0-9]+/[0-9]+ .*tok/s" "$R/scaling.log" | tail -n 40 ;;
     demo)
       timeout "${DEMO_TIMEOUT:-400}" python3 -m kernelforge.cli demo --out "$R/demo" ${DEMO_ARGS:-} > "$R/demo.log" 2>&1
       status=$(( status | $? )); tail -n 30 "$R/demo.log" ;;

@@ -59,7 +59,11 @@ def _worker(rank: int, port: int, out_dir: str, cases: Callable[[], dict], mesh_
             mesh_dim_names: Optional[tuple]) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    backend = job_backend()
+    if backend == "nccl":  # one GPU a rank; the cases' tensors made on it (their code names no device)
+        torch.cuda.set_device(rank)
+        torch.set_default_device(f"cuda:{rank}")
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=math.prod(mesh_shape))
     try:
         from kernelforge import use_backend
@@ -67,7 +71,7 @@ def _worker(rank: int, port: int, out_dir: str, cases: Callable[[], dict], mesh_
         from torch.distributed.device_mesh import init_device_mesh
 
         assert enable()  # importing kernelforge.distributed registered the rules: this finds them there
-        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=mesh_dim_names)
+        mesh = init_device_mesh("cuda" if backend == "nccl" else "cpu", mesh_shape, mesh_dim_names=mesh_dim_names)
         results = {}
         with use_backend("reference"):
             for name, case in cases().items():
@@ -90,6 +94,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def job_backend() -> str:
+    """gloo on CPU processes; KERNELFORGE_DIST_BACKEND=nccl runs the same jobs over NCCL, one GPU a
+    rank (a machine with at least as many GPUs as the job's ranks; NVLink multicast off unless
+    NCCL_NVLS_ENABLE is set), the ops still at the reference backend, in float64, so the cases
+    check the sharding rules and plans over NCCL against the same float64 results."""
+    backend = os.environ.get("KERNELFORGE_DIST_BACKEND", "gloo")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"KERNELFORGE_DIST_BACKEND must be gloo or nccl, got {backend!r}")
+    return backend
+
+
 def run_job(out_dir, cases: Callable[[], dict], mesh_shape: tuple = (WORLD_SIZE,),
             mesh_dim_names: Optional[tuple] = None) -> dict:
     """Run `cases()` (a module-level function: the spawned processes import it) in the job, one
@@ -98,6 +113,11 @@ def run_job(out_dir, cases: Callable[[], dict], mesh_shape: tuple = (WORLD_SIZE,
     import torch.multiprocessing as mp
 
     world_size = math.prod(mesh_shape)
+    if job_backend() == "nccl":
+        if torch.cuda.device_count() < world_size:
+            pytest.skip(f"KERNELFORGE_DIST_BACKEND=nccl: the job needs {world_size} GPUs, found "
+                        f"{torch.cuda.device_count()}")
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # inherited by the spawned ranks
     context = mp.start_processes(_worker, args=(_free_port(), str(out_dir), cases, tuple(mesh_shape), mesh_dim_names),
                                  nprocs=world_size, join=False, start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
