@@ -20,7 +20,7 @@ from kernelforge.distributed import matmul_sharding, sharding
 from kernelforge.distributed.plans import data_parallel, tensor_parallel
 from kernelforge.distributed.sharding import RULES, Role, row_op_strategies
 from kernelforge.distributed.vocab_parallel import (vocab_parallel_cross_entropy,
-                                                    vocab_parallel_fused_linear_cross_entropy)
+                                                    vocab_parallel_fused_linear_cross_entropy, vocab_parallel_logits)
 from kernelforge.distributed.pipeline import LanguageModelPipeline, pipeline_parallel
 from kernelforge.distributed.transformers_plans import fully_shard_transformers, tensor_parallel_transformers
 
@@ -36,4 +36,4 @@ enable()  # idempotent; nothing where torch.distributed is unavailable
 __all__ = ["RULES", "Role", "data_parallel", "enable", "row_op_strategies", "tensor_parallel"]
 __all__ += ["fully_shard_transformers", "tensor_parallel_transformers"]
 __all__ += ["LanguageModelPipeline", "pipeline_parallel"]
-__all__ += ["vocab_parallel_cross_entropy", "vocab_parallel_fused_linear_cross_entropy"]
+__all__ += ["vocab_parallel_cross_entropy", "vocab_parallel_fused_linear_cross_entropy", "vocab_parallel_logits"]

@@ -23,8 +23,12 @@ torch.distributed.tensor.parallel.parallelize_module over the 1-D `mesh`:
     one the patch left to transformers or to kf.swiglu) gets torch's Colwise / Rowwise styles;
   - the token embeddings row-wise (vocabulary-sharded), or replicated (plain) when the head is
     tied to them or `embeddings="replicate"`;
-  - the norms and the LM head replicated (plain parameters): the patched loss,
-    kf.fused_linear_cross_entropy over the replicated hidden states, reads the full head weight.
+  - the norms replicated, and the LM head replicated (plain parameters: the patched loss,
+    kf.fused_linear_cross_entropy over the replicated hidden states, reads the full head weight)
+    or, with head="vocab", split by the vocabulary: each rank the rows of its classes, the patched
+    loss kernelforge.distributed.vocab_parallel's fused loss (the logits never gathered: each rank
+    computes its classes' part of the head's GEMMs), the logits of evaluation and generation
+    gathered (vocab_parallel_logits); an unpatched head gets torch's ColwiseParallel.
 Training and forward passes; generation with a cache sized from the config (a StaticCache) does
 not know the local head counts.
 
@@ -114,12 +118,38 @@ def _local_gated_mlp_style():
     return LocalGatedMLP
 
 
-def tensor_parallel_transformers(model, mesh, embeddings: str = "auto"):
+def _shard_head_by_vocabulary(model, decoder, mesh, tied: bool) -> None:
+    """The LM head's weight (and bias) Shard(0) DTensors over `mesh`: each rank its classes' rows.
+    A head kf.patch took (an instance forward: kernelforge.transformers' _head_forward) keeps no
+    hook: its loss becomes the vocabulary-parallel fused loss, its logits (evaluation, generation)
+    vocab_parallel_logits, both chosen there by the weight being a DTensor. Any other head gets
+    torch's ColwiseParallel with its logits gathered. Tied: the embeddings are Shard(0) the same
+    way (row-wise), so the two names hold one parameter again."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    head = model.lm_head
+    patched = "forward" in head.__dict__
+    if not patched:
+        parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+    elif not tied:
+        head.weight = nn.Parameter(distribute_tensor(head.weight, mesh, [Shard(0)]),
+                                   requires_grad=head.weight.requires_grad)
+    if tied:
+        head.weight = decoder.embed_tokens.weight
+    if patched and head.bias is not None:
+        head.bias = nn.Parameter(distribute_tensor(head.bias, mesh, [Shard(0)]), requires_grad=head.bias.requires_grad)
+
+
+def tensor_parallel_transformers(model, mesh, embeddings: str = "auto", head: str = "replicate"):
     """Tensor-parallelize `model` (a transformers Llama / Mistral / Qwen2 causal LM or base model,
     patched by kf.patch or not) in place over the 1-D `mesh` (module docstring); returns it.
     embeddings: "rowwise" (vocabulary-sharded), "replicate", or "auto": row-wise unless the LM
-    head is tied to them (the head stays replicated). Every rank must pass the same model (same
-    seed or checkpoint): each keeps its shards of it."""
+    head is tied to them and replicated. head: "replicate" (every rank the whole head: the fused
+    loss reads it whole) or "vocab" (each rank its classes' rows: the loss through
+    kernelforge.distributed.vocab_parallel, the logits never gathered in training; a tied head
+    takes the row-wise embeddings' parameter). Every rank must pass the same model (same seed or
+    checkpoint): each keeps its shards of it."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -132,14 +162,21 @@ def tensor_parallel_transformers(model, mesh, embeddings: str = "auto"):
     if heads % tp or kv_heads % tp:
         raise ValueError(f"{who}: {heads} attention heads and {kv_heads} key / value heads must both split evenly "
                          f"over {tp} ranks")
-    head = getattr(model, "lm_head", None)
-    tied = head is not None and head.weight is decoder.embed_tokens.weight
+    lm_head = getattr(model, "lm_head", None)
+    tied = lm_head is not None and lm_head.weight is decoder.embed_tokens.weight
+    if head not in ("replicate", "vocab"):
+        raise ValueError(f"{who}: head must be 'replicate' or 'vocab', got {head!r}")
+    if head == "vocab" and lm_head is None:
+        raise ValueError(f"{who}: head='vocab' needs a causal LM (a model with lm_head), got "
+                         f"{type(model).__qualname__}")
     if embeddings == "auto":
-        embeddings = "replicate" if tied else "rowwise"
+        embeddings = "rowwise" if head == "vocab" or not tied else "replicate"
     if embeddings not in ("rowwise", "replicate"):
         raise ValueError(f"{who}: embeddings must be 'auto', 'rowwise' or 'replicate', got {embeddings!r}")
-    if embeddings == "rowwise" and tied:
-        raise ValueError(f"{who}: the LM head is tied to the embeddings and stays replicated: embeddings='replicate'")
+    if tied and (embeddings == "rowwise") != (head == "vocab"):
+        raise ValueError(f"{who}: the LM head is tied to the embeddings: both replicated (embeddings='replicate', "
+                         f"head='replicate') or both split by the vocabulary (embeddings='rowwise', head='vocab'), "
+                         f"got embeddings={embeddings!r}, head={head!r}")
 
     LocalGatedMLP = _local_gated_mlp_style()
     for layer in decoder.layers:
@@ -159,6 +196,8 @@ def tensor_parallel_transformers(model, mesh, embeddings: str = "auto"):
     if embeddings == "rowwise":
         parallelize_module(decoder, mesh, {"embed_tokens": RowwiseParallel(input_layouts=Replicate(),
                                                                            output_layouts=Replicate())})
+    if head == "vocab":
+        _shard_head_by_vocabulary(model, decoder, mesh, tied)
     return model
 
 

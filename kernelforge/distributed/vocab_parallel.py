@@ -471,4 +471,25 @@ def vocab_parallel_fused_linear_cross_entropy(x, weight, target, bias=None, grou
     return replicated(loss, mesh)
 
 
-__all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_fused_linear_cross_entropy"]
+def vocab_parallel_logits(x: torch.Tensor, weight, bias=None) -> torch.Tensor:
+    """x @ W^T + b, the whole (..., V) logits, for a head whose weight (and bias) is a DTensor placed
+    Shard(0) on a 1-D mesh (vocabulary-parallel): each rank's GEMM on its rows, then one all-gather
+    of the logits over the vocabulary (for generation and evaluation; training's loss takes
+    vocab_parallel_fused_linear_cross_entropy and never gathers them). x is the same plain tensor
+    on every rank; its gradient, a partial sum over each rank's classes, is summed across them."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    local_weight, mesh = unwrap_dtensor("vocab_parallel_logits", "weight", weight, 0)
+    if mesh is None:
+        raise ValueError("kernelforge.vocab_parallel_logits: weight must be a DTensor placed (Shard(0),) on a 1-D "
+                         f"mesh, got a {type(weight).__name__}")
+    local_bias = unwrap_dtensor("vocab_parallel_logits", "bias", bias, 0)[0] if bias is not None else None
+    x = DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+    local = torch.nn.functional.linear(x, local_weight, local_bias)
+    shape = (*local.shape[:-1], weight.shape[0])
+    logits = DTensor.from_local(local, mesh, [Shard(local.dim() - 1)], run_check=False, shape=shape,
+                                stride=torch.empty(shape, device="meta").stride())
+    return logits.full_tensor()
+
+
+__all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_fused_linear_cross_entropy", "vocab_parallel_logits"]

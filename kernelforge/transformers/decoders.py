@@ -161,10 +161,28 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
 
 
+def _vocab_sharded(weight) -> bool:
+    """A head weight split over the vocabulary across ranks (a DTensor: kernelforge.distributed.
+    transformers_plans' head="vocab"); the DTensor module is loaded by whoever made one."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(weight, dtensor.DTensor)
+
+
 def _head_forward(self, x: torch.Tensor) -> torch.Tensor:
     if self.__dict__.get("_kernelforge_pass_hidden"):
         return x
+    if _vocab_sharded(self.weight):
+        from kernelforge.distributed.vocab_parallel import vocab_parallel_logits
+
+        return vocab_parallel_logits(x, self.weight, self.bias)
     return F.linear(x, self.weight, self.bias)
+
+
+def _vocab_parallel_loss(*args, **options) -> torch.Tensor:
+    """The fused loss of a vocabulary-sharded head: each rank its classes, the logits never gathered."""
+    from kernelforge.distributed.vocab_parallel import vocab_parallel_fused_linear_cross_entropy
+
+    return vocab_parallel_fused_linear_cross_entropy(*args, **options).to_local()  # a Replicate DTensor's value
 
 
 def _causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
@@ -174,11 +192,11 @@ def _causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ig
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     hidden = logits.reshape(-1, logits.shape[-1])
     target = shift_labels.reshape(-1).to(hidden.device)
+    loss_fn = _vocab_parallel_loss if _vocab_sharded(head.weight) else fused_linear_cross_entropy
     if num_items_in_batch is None:
-        return fused_linear_cross_entropy(hidden, head.weight, target, head.bias, ignore_index=ignore_index,
-                                          softcap=softcap)
-    loss = fused_linear_cross_entropy(hidden, head.weight, target, head.bias, ignore_index=ignore_index,
-                                      reduction="sum", softcap=softcap)
+        return loss_fn(hidden, head.weight, target, head.bias, ignore_index=ignore_index, softcap=softcap)
+    loss = loss_fn(hidden, head.weight, target, head.bias, ignore_index=ignore_index, reduction="sum",
+                   softcap=softcap)
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     return loss / num_items_in_batch

@@ -62,7 +62,7 @@ def _step(model, ids):
     return _full(out.loss.detach()), grads, params, out.logits
 
 
-def _tp_case(family, tie=False, patch=True):
+def _tp_case(family, tie=False, patch=True, head="replicate"):
     def case(mesh):
         from torch.distributed.tensor import DTensor, Shard
 
@@ -73,7 +73,7 @@ def _tp_case(family, tie=False, patch=True):
         logits_ref = _logits(reference, ids)
         *expected, logits = _step(reference, ids)
         assert (logits is None) == patch  # the patched fused loss leaves no logits
-        model = tensor_parallel_transformers(_model(family, tie, patch), mesh)
+        model = tensor_parallel_transformers(_model(family, tie, patch), mesh, head=head)
         layer = model.model.layers[0]
         assert layer.self_attn.k_proj.weight.placements == (Shard(0),)
         assert layer.self_attn.k_proj.weight.to_local().shape == (8, 32)  # 1 of 2 kv heads of 8
@@ -81,8 +81,12 @@ def _tp_case(family, tie=False, patch=True):
         assert layer.mlp.down_proj.weight.placements == (Shard(1),)
         # the patched MLP runs kf.gated_mlp on the local weights: its projections carry no hooks
         assert bool(layer.mlp.gate_proj._forward_pre_hooks) != patch
-        assert not isinstance(model.lm_head.weight, DTensor)  # replicated: the fused loss reads it whole
-        assert isinstance(model.model.embed_tokens.weight, DTensor) != tie
+        if head == "vocab":  # each rank its classes' rows (the vocabulary-parallel loss)
+            assert model.lm_head.weight.placements == (Shard(0),)
+            assert (model.lm_head.weight is model.model.embed_tokens.weight) == tie
+        else:  # replicated: the fused loss reads it whole
+            assert not isinstance(model.lm_head.weight, DTensor)
+        assert isinstance(model.model.embed_tokens.weight, DTensor) != (tie and head == "replicate")
         torch.testing.assert_close(_logits(model, ids), logits_ref, rtol=1e-10, atol=1e-12)
         *got, logits = _step(model, ids)
         assert (logits is None) == patch
@@ -136,14 +140,17 @@ def _two_dimensional_case(dp, tp, tie=False):
 
 def _cases():
     pytest.importorskip("transformers")
-    return {"tensor-parallel-llama": _tp_case("llama"), "fsdp2-llama": _fsdp_case("llama")}
+    return {"tensor-parallel-llama": _tp_case("llama"), "fsdp2-llama": _fsdp_case("llama"),
+            "tensor-parallel-llama-vocab-head": _tp_case("llama", head="vocab")}
 
 
 def _slow_cases():
     pytest.importorskip("transformers")
     return {"tensor-parallel-llama-tied": _tp_case("llama", tie=True),
             "tensor-parallel-llama-unpatched": _tp_case("llama", patch=False),
-            "tensor-parallel-mistral": _tp_case("mistral"), "tensor-parallel-qwen2": _tp_case("qwen2", tie=True),
+            "tensor-parallel-mistral": _tp_case("mistral"),
+            "tensor-parallel-llama-tied-vocab-head": _tp_case("llama", tie=True, head="vocab"),
+            "tensor-parallel-unpatched-vocab-head": _tp_case("llama", patch=False, head="vocab"), "tensor-parallel-qwen2": _tp_case("qwen2", tie=True),
             "fsdp2-llama-tied": _fsdp_case("llama", tie=True), "fsdp2-qwen2": _fsdp_case("qwen2"),
             "tp-then-fsdp2-dp1-tp2": _two_dimensional_case(1, 2), "tp-then-fsdp2-dp2-tp1": _two_dimensional_case(2, 1)}
 
@@ -184,3 +191,7 @@ def test_refusals():
         tensor_parallel_transformers(_model(num_key_value_heads=1), two_ranks)
     with pytest.raises(ValueError, match="tied"):
         tensor_parallel_transformers(_model(tie=True), two_ranks, embeddings="rowwise")
+    with pytest.raises(ValueError, match="tied"):
+        tensor_parallel_transformers(_model(tie=True), two_ranks, embeddings="replicate", head="vocab")
+    with pytest.raises(ValueError, match="head must be"):
+        tensor_parallel_transformers(_model(), two_ranks, head="columns")

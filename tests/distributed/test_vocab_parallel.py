@@ -104,6 +104,30 @@ def fused_case(vocab, reduction="mean", ignored=(), label_smoothing=0.0, bias=Tr
     return case
 
 
+def logits_of_a_sharded_head(mesh):
+    """vocab_parallel_logits: the whole logits from a Shard(0) weight and bias (37 classes, 19 / 18),
+    and the gradients of x (summed over the ranks' classes) and of each rank's rows."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from kernelforge.distributed import vocab_parallel_logits
+
+    x = torch.randn(2, 5, HIDDEN, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(37, HIDDEN, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(37, dtype=torch.float64, requires_grad=True)
+    x_l = x.detach().clone().requires_grad_()
+    w_d = distribute_tensor(w.detach(), mesh, [Shard(0)]).requires_grad_()
+    b_d = distribute_tensor(b.detach(), mesh, [Shard(0)]).requires_grad_()
+    logits = vocab_parallel_logits(x_l, w_d, b_d)
+    ref = x @ w.T + b
+    close(logits, ref, "logits")
+    g = upstream(ref)
+    logits.backward(g)
+    ref.backward(g)
+    close(x_l.grad, x.grad, "x's gradient")
+    close(w_d.grad.full_tensor(), w.grad, "weight's gradient")
+    close(b_d.grad.full_tensor(), b.grad, "bias's gradient")
+
+
 def dtensor_logits(mesh):
     """Shard(-1) logits of 37 classes (19 / 18): the mesh gives the group and vocab_start."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -227,6 +251,7 @@ def cases() -> dict:
     c["fused-float32"] = fused_case(37, "sum", dtype=torch.float32, chunk_rows=3)
     c["fused-default-chunk_rows"] = fused_case(16, chunk_rows=None)
     c["dtensor-logits-Shard(1)"] = dtensor_logits
+    c["logits-of-a-sharded-head"] = logits_of_a_sharded_head
     c["dtensor-weight-Shard(0)"] = dtensor_weight
     c["gradient-accumulation"] = gradient_accumulation
     c["group-of-one-rank"] = group_of_one
