@@ -433,3 +433,22 @@ def test_patched_model_on_the_gpu(family):
     got.backward()
     for (name, a), b in zip(reference.named_parameters(), model.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # without and with q / k / v biases
+def test_attention_projections_run_as_one_gemm_unless_a_layer_is_wrapped(family):
+    model = tiny_llama(family=family)
+    kf.patch(model)
+    attention = model.model.layers[0].self_attn
+    x = torch.randn(2, 5, model.config.hidden_size)
+    fused = decoders._projections(attention, x)
+    separate = [getattr(attention, name)(x) for name in decoders.ATTENTION_PROJECTIONS]
+    assert fused[0].untyped_storage().data_ptr() == fused[2].untyped_storage().data_ptr()  # one GEMM's output
+    for got, want in zip(fused, separate):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    calls = []
+    attention.k_proj.register_forward_hook(lambda *args: calls.append(1))  # an adapter or hook: each its own
+    hooked = decoders._projections(attention, x)
+    assert calls and hooked[0].untyped_storage().data_ptr() != hooked[2].untyped_storage().data_ptr()
+    for got, want in zip(hooked, separate):
+        torch.testing.assert_close(got, want)

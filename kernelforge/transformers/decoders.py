@@ -8,8 +8,10 @@ attention modules, and the causal-LM head's loss. What the families differ in (t
   (Mistral / Mixtral / Phi-3 from the config, Qwen2 / Qwen3 / Qwen3-MoE / Gemma 2 / 3 per layer),
   RMSNorms on q and k before the rotation (over each head: Qwen3, Qwen3-MoE, Gemma 3; over the whole
   projection: OLMo 2), one packed qkv projection (Phi-3, whose rotation may cover part of each head).
-  The projections, the cache update and the attention function transformers' registry picks
-  (config._attn_implementation) are as transformers does them, in the versions of TESTED_VERSIONS;
+  Separate q / k / v Linear layers run as one GEMM over their concatenated weights (_projections:
+  x's gradient in one GEMM, not three and two adds). The cache update and the attention function
+  transformers' registry picks (config._attn_implementation) are as transformers does them, in the
+  versions of TESTED_VERSIONS;
   with another version the attention is left alone, and the report says so.
 - the norm: x * rsqrt(mean(x^2) + eps) times w (Llama) or times 1 + w in float32 (Gemma's):
   kf.rms_norm either way (offset=1 for Gemma).
@@ -30,7 +32,9 @@ loss interface) that takes them to kf.fused_linear_cross_entropy with the head's
 the labels and reducing as transformers' ForCausalLMLoss does (mean over the tokens not ignored, or
 a sum over num_items_in_batch under gradient accumulation). The output then has no logits (None):
 they were never made. In training only (as Liger-Kernel's does): in eval mode, without labels, or
-with return_dict=False, the forward is transformers' as it was.
+with return_dict=False, the forward is transformers' as it was. A head whose weight is split over
+the vocabulary (kernelforge.distributed.transformers_plans, head="vocab") takes the loss through
+kernelforge.distributed.vocab_parallel and gathers its logits where they are asked for.
 """
 from __future__ import annotations
 
@@ -85,6 +89,7 @@ FAMILIES = {"llama": Family("Llama"), "mistral": Family("Mistral", window="confi
             "qwen3_moe": Family("Qwen3Moe", window="module", qk_norm="head"),
             "gpt2": Family("GPT2", attention=False, gelu_mlp=True, causal_lm="GPT2LMHeadModel")}
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 # the MLP's activation module (transformers.activations) -> kernelforge's gated kind
 GATED_KINDS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUActivation": "gelu", "GELUTanh": "gelu_tanh",
                "PytorchGELUTanh": "gelu_tanh"}
@@ -122,6 +127,28 @@ def _packed_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(swiglu(self.gate_up_proj(x)))
 
 
+def _is_dtensor(t) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")  # loaded by whoever made a DTensor
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
+
+
+def _projections(self, hidden_states):
+    """(q, k, v): one GEMM over [Wq | Wk | Wv] (and [bq | bk | bv]) where the three are plain
+    Linear layers of one dtype with or without biases alike (no adapter, hook or sharded weight:
+    else each its own). Why: the backward then makes x's gradient in one GEMM, not three GEMMs and
+    two adds of (tokens x hidden), and the weights' in one, and no GEMM runs at the kv heads' narrow
+    width. Cost: the three weights copied once a call ((q + 2 kv heads) x head_dim x hidden
+    elements), kept for the backward. q, k and v are views of the one output."""
+    layers = [getattr(self, name) for name in ATTENTION_PROJECTIONS]
+    weights = [layer.weight for layer in layers]
+    if (not plain_linears(self, ATTENTION_PROJECTIONS, bias=True) or len({w.dtype for w in weights}) != 1
+            or len({layer.bias is None for layer in layers}) != 1 or any(_is_dtensor(w) for w in weights)):
+        return tuple(layer(hidden_states) for layer in layers)
+    bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
+    qkv = F.linear(hidden_states, torch.cat(weights), bias)
+    return qkv.split([w.shape[0] for w in weights], -1)
+
+
 def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, *, family,
                        **kwargs):
     """transformers' <family>Attention.forward (TESTED_VERSIONS), rope by kf.rope (q and k in one kernel)."""
@@ -136,7 +163,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         k_end = q_end + self.num_key_value_heads * self.head_dim
         query, key, value = qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:]
     else:
-        query, key, value = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        query, key, value = _projections(self, hidden_states)
     if family.qk_norm == "projection":
         query, key = self.q_norm(query), self.k_norm(key)
     query, key, value = query.view(hidden_shape), key.view(hidden_shape), value.view(hidden_shape)
@@ -161,17 +188,10 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
 
 
-def _vocab_sharded(weight) -> bool:
-    """A head weight split over the vocabulary across ranks (a DTensor: kernelforge.distributed.
-    transformers_plans' head="vocab"); the DTensor module is loaded by whoever made one."""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return dtensor is not None and isinstance(weight, dtensor.DTensor)
-
-
 def _head_forward(self, x: torch.Tensor) -> torch.Tensor:
     if self.__dict__.get("_kernelforge_pass_hidden"):
         return x
-    if _vocab_sharded(self.weight):
+    if _is_dtensor(self.weight) and not _is_dtensor(x):  # split by the vocabulary (transformers_plans' head="vocab")
         from kernelforge.distributed.vocab_parallel import vocab_parallel_logits
 
         return vocab_parallel_logits(x, self.weight, self.bias)
@@ -192,7 +212,7 @@ def _causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ig
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     hidden = logits.reshape(-1, logits.shape[-1])
     target = shift_labels.reshape(-1).to(hidden.device)
-    loss_fn = _vocab_parallel_loss if _vocab_sharded(head.weight) else fused_linear_cross_entropy
+    loss_fn = _vocab_parallel_loss if _is_dtensor(head.weight) else fused_linear_cross_entropy
     if num_items_in_batch is None:
         return loss_fn(hidden, head.weight, target, head.bias, ignore_index=ignore_index, softcap=softcap)
     loss = loss_fn(hidden, head.weight, target, head.bias, ignore_index=ignore_index, reduction="sum",
