@@ -10,6 +10,7 @@ import transformers  # a test requirement (requirements-test.txt)
 
 import kernelforge as kf
 from kernelforge import transformers as kf_transformers
+from kernelforge.ops.norms import add_rms_norm
 from kernelforge.transformers import decoders
 from tests.conftest import needs_cuda
 
@@ -266,7 +267,8 @@ def test_the_report_says_what_was_not_patched(monkeypatch):
         report = kf.patch(model)
     names = {r.name for r in report}
     assert "" not in names and "model.layers.0.self_attn" not in names and "model.norm" in names
-    assert [s.name for s in report.skipped] == ["model.layers.0.self_attn", "model.layers.1.self_attn", "", ""]
+    assert [s.name for s in report.skipped] == ["model.layers.0", "model.layers.0.self_attn", "model.layers.1",
+                                                "model.layers.1.self_attn", "", ""]
     assert model.config._attn_implementation == "sdpa"
     ids = torch.randint(0, 300, (1, 8))
     assert model(input_ids=ids, labels=ids).logits is not None
@@ -452,3 +454,19 @@ def test_attention_projections_run_as_one_gemm_unless_a_layer_is_wrapped(family)
     assert calls and hooked[0].untyped_storage().data_ptr() != hooked[2].untyped_storage().data_ptr()
     for got, want in zip(hooked, separate):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma", "gemma2"])
+def test_the_residual_add_joins_the_post_attention_norm_where_the_layer_is_llamas(family, monkeypatch):
+    # Llama's decoder layer (Gemma's is the same code, its norm 1 + w): the add before the
+    # post-attention norm is kf.add_rms_norm's; Gemma 2's sandwich-norm layer keeps its forward
+    model = tiny_llama(family=family)
+    report = patched(model)
+    layer_patched = "model.layers.0" in {r.name for r in report}
+    assert layer_patched == (family != "gemma2")
+    calls = []
+    monkeypatch.setattr(decoders, "add_rms_norm", lambda *a, **k: calls.append(1) or add_rms_norm(*a, **k))
+    ids = torch.randint(0, 300, (1, 8))
+    reference = tiny_llama(family=family)
+    torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+    assert len(calls) == (model.config.num_hidden_layers if layer_patched else 0)

@@ -15,6 +15,11 @@ attention modules, and the causal-LM head's loss. What the families differ in (t
   with another version the attention is left alone, and the report says so.
 - the norm: x * rsqrt(mean(x^2) + eps) times w (Llama) or times 1 + w in float32 (Gemma's):
   kf.rms_norm either way (offset=1 for Gemma).
+- the decoder layer, where its forward is LlamaDecoderLayer's to the letter (Llama, Mistral, Qwen2,
+  Qwen3, Gemma, Qwen3-MoE): the same steps, the residual add before the post-attention norm and
+  the norm in one kf.add_rms_norm (its backward adds the residual stream's gradient in the norm's
+  kernel). Other layers (Gemma 2 / 3's sandwich norms, Granite's multipliers, OLMo 2's post-norms,
+  Phi-3, Mixtral) keep transformers' forward.
 - the MLP: gate_proj / up_proj / down_proj (kf.gated_mlp, the activation from the module: silu,
   gelu, gelu tanh) or a packed gate_up_proj (Phi-3: down_proj(kf.swiglu(gate_up_proj(x)))).
 - mixtures of experts (Mixtral, Qwen3-MoE): the attention, norms, dense MLPs and loss as above; the
@@ -39,6 +44,7 @@ kernelforge.distributed.vocab_parallel and gathers its logits where they are ask
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from dataclasses import dataclass
 from typing import Optional
@@ -51,7 +57,7 @@ from kernelforge.ops.activations import gelu
 from kernelforge.ops.gated_activations import swiglu
 from kernelforge.ops.gated_mlp import gated_mlp
 from kernelforge.ops.linear_cross_entropy import fused_linear_cross_entropy
-from kernelforge.ops.norms import rms_norm
+from kernelforge.ops.norms import add_rms_norm, rms_norm
 from kernelforge.ops.rope import rope
 from kernelforge.transformers import attention
 from kernelforge.transformers.common import (GELU_APPROXIMATIONS, MARK, Patcher, layer_norm_forward, plain_linears,
@@ -104,6 +110,63 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 def _offset_rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     """Gemma's: normalized x times (1 + w), in float32, rounded once to x's dtype."""
     return rms_norm(x, self.weight, self.eps, 1.0)
+
+
+def _norm_fused_with_the_add(norm, x: torch.Tensor, residual: torch.Tensor):
+    """(weight, eps, offset) of an RMSNorm this patch took whose inputs share its weight's dtype:
+    add_rms_norm computes it with the residual add; else None."""
+    forward = getattr(norm.__dict__.get("forward"), "__func__", None)
+    if forward is _rms_norm_forward:
+        eps, offset = norm.variance_epsilon, 0.0
+    elif forward is _offset_rms_norm_forward:
+        eps, offset = norm.eps, 1.0
+    else:
+        return None
+    if not x.dtype == residual.dtype == norm.weight.dtype or x.shape != residual.shape:
+        return None
+    return norm.weight, eps, offset
+
+
+def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
+                           use_cache=False, position_embeddings=None, **kwargs):
+    """transformers' LlamaDecoderLayer.forward (pre-norm: x + attn(norm(x)), then + mlp(norm(...)))
+    with the residual add before the post-attention norm and the norm in one kf.add_rms_norm: one
+    pass writes the sum and its normalized rows (the add's read and write of the sum saved), and
+    its backward adds the residual stream's gradient inside the norm's kernel (an add kernel of
+    tokens x hidden saved). The add after the MLP stays torch's: the next layer's norm is another
+    module's call."""
+    if cache is None:
+        cache = kwargs.pop("past_key_values", None)  # the name transformers deprecates for `cache`
+    residual = hidden_states
+    hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+                                      position_ids=position_ids, cache=cache, use_cache=use_cache,
+                                      position_embeddings=position_embeddings, **kwargs)
+    norm = self.post_attention_layernorm
+    fused = _norm_fused_with_the_add(norm, hidden_states, residual)
+    if fused is not None:
+        weight, eps, offset = fused
+        normed, hidden_states = add_rms_norm(hidden_states, residual, weight, eps, offset)
+    else:
+        hidden_states = residual + hidden_states
+        normed = norm(hidden_states)
+    return hidden_states + self.mlp(normed)
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_source(cls) -> str:
+    return inspect.getsource(cls.forward)
+
+
+def _is_llama_decoder_layer(layer) -> bool:
+    """The layer's forward is transformers' LlamaDecoderLayer.forward to the letter (Mistral, Qwen2,
+    Qwen3, Gemma and Qwen3-MoE share it in the tested versions): what _decoder_layer_forward
+    follows."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    try:
+        return _forward_source(type(layer)) == _forward_source(LlamaDecoderLayer)
+    except (OSError, TypeError):  # no source to compare
+        return False
 
 
 def _conv1d_mlp_forward(self, x: torch.Tensor, *, approximate: str) -> torch.Tensor:
@@ -341,6 +404,13 @@ def patch(model: torch.nn.Module, model_type: str) -> Replacements:
             else:
                 take(name, module, functools.partial(_attention_forward, family=family),
                      "forward with kf.rope for q and k")
+        elif kind.endswith("DecoderLayer") and family.attention and _is_llama_decoder_layer(module):
+            if untested:
+                patcher.skip(name, module, f"its forward (for kf.add_rms_norm) follows transformers' as tested; "
+                                           f"{untested}")
+            else:
+                take(name, module, _decoder_layer_forward,
+                     "forward with the residual add and post_attention_layernorm in one kf.add_rms_norm")
         elif kind == f"{family.prefix}RMSNorm":
             if family.norm_offset:
                 take(name, module, _offset_rms_norm_forward, "forward -> kf.rms_norm with 1 + w (float32)")
