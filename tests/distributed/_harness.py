@@ -1,8 +1,9 @@
-"""The spawn harness of the DTensor tests: one gloo job (by default 2 processes, a 1-D mesh of 2 CPU
-ranks; `mesh_shape` / `mesh_dim_names` for another mesh, e.g. (2, 2) named ("dp", "tp")) runs
-every case of a module and writes each case's failure (or None) to a file; the module's tests read
-them, one test a case (`results_fixture`, `case_names`). `check` compares an op on DTensors with
-the op on the full tensors."""
+"""The spawn harness of the distributed tests: one gloo job (by default 2 processes, a 1-D mesh of 2
+CPU ranks; `mesh_shape` / `mesh_dim_names` for another mesh, e.g. (2, 2) named ("dp", "tp"); over
+NCCL, one GPU a rank, with KERNELFORGE_DIST_BACKEND=nccl) runs every case of a module and writes
+each case's failure (or None) to a file; the module's tests read them, one test a case (a
+module-scoped fixture calling `run_job`, `case_names`, `assert_passed`). `check` compares an op on
+DTensors with the op on the full tensors; `assert_same_step` a training step with one process's."""
 from __future__ import annotations
 
 import json

@@ -150,7 +150,8 @@ def _slow_cases():
             "tensor-parallel-llama-unpatched": _tp_case("llama", patch=False),
             "tensor-parallel-mistral": _tp_case("mistral"),
             "tensor-parallel-llama-tied-vocab-head": _tp_case("llama", tie=True, head="vocab"),
-            "tensor-parallel-unpatched-vocab-head": _tp_case("llama", patch=False, head="vocab"), "tensor-parallel-qwen2": _tp_case("qwen2", tie=True),
+            "tensor-parallel-unpatched-vocab-head": _tp_case("llama", patch=False, head="vocab"),
+            "tensor-parallel-qwen2": _tp_case("qwen2", tie=True),
             "fsdp2-llama-tied": _fsdp_case("llama", tie=True), "fsdp2-qwen2": _fsdp_case("qwen2"),
             "tp-then-fsdp2-dp1-tp2": _two_dimensional_case(1, 2), "tp-then-fsdp2-dp2-tp1": _two_dimensional_case(2, 1)}
 
