@@ -1,6 +1,6 @@
 """Train the example LanguageModel on the text shipped with kernelforge on several processes
-(torchrun), data-parallel (DDP, FSDP2), tensor-parallel (TP, TP with sequence parallelism) or
-both (FSDP2 x TP on a 2-D mesh), with checkpoints that a later run resumes from.
+(torchrun), data-parallel (DDP, FSDP2), tensor-parallel (TP, TP with sequence parallelism), both
+(FSDP2 x TP on a 2-D mesh) or pipeline-parallel, with checkpoints that a later run resumes from.
 
     python examples/08_train_distributed.py                      # one process, a few seconds on a CPU
     torchrun --standalone --nproc_per_node 2 examples/08_train_distributed.py --parallel ddp --steps 100
@@ -8,13 +8,16 @@ both (FSDP2 x TP on a 2-D mesh), with checkpoints that a later run resumes from.
         --level native --dim 256 --layers 4 --heads 8 --checkpoint-dir runs/ckpt --checkpoint-every 50
     torchrun ... (the same arguments) --resume                # continues from runs/ckpt's last checkpoint
     torchrun --standalone --nproc_per_node 4 examples/08_train_distributed.py --parallel fsdp2-tp --tp 2
+    torchrun --standalone --nproc_per_node 2 examples/08_train_distributed.py --parallel pp --microbatches 4
 
 The plans are kernelforge.distributed.plans': --parallel none (one process: no torchrun, or a world
 of one), ddp and fsdp2 (each rank its slice of the global batch, --batch-size sequences a step
 across all ranks), tp and tp-sp (every rank the whole batch; the heads split over the ranks),
 fsdp2-tp and fsdp2-tp-sp (a (dp, tp) mesh, dp = world / --tp: the heads split over the --tp
 ranks of a dp group, FSDP2 sharding each of their shards over dp; each dp group its slice of the
-batch).
+batch), pp (kernelforge.distributed.pipeline: the layers split into one stage a rank, the whole
+batch cut into --microbatches on the --schedule; the loss is the last stage's, the checkpoint each
+rank's stage).
 Every rank builds the model from the same seed. The model runs at any level
 (kernelforge.models.LEVELS: reference, native, compile, triton, ...); its backward runs inside
 `model.kernel_scope()` at that level too. Backend: gloo on a CPU, nccl on CUDA (one GPU a rank,
@@ -36,8 +39,9 @@ ru_maxrss), a proxy that counts Python, torch and the kernels' code as well as t
 Checkpoints (torch.distributed.checkpoint): every --checkpoint-every steps and at the end, into
 --checkpoint-dir/step_NNNNNNNN (default: a new temporary directory), the model's and AdamW's state
 dicts through torch.distributed.checkpoint.state_dict.get_state_dict (the same keys for every
-plan: the LanguageModel's own names; sharded DTensors under FSDP2 and TP, each rank writing its
-shards) and the step and data position. --resume loads the last complete one of --checkpoint-dir
+plan: the LanguageModel's own names, AdamW's flattened to one key per parameter; sharded DTensors
+under FSDP2 and TP, each rank writing its shards; under pp each rank its stage's parameters) and
+the step and data position. --resume loads the last complete one of --checkpoint-dir
 (set_state_dict) and goes on from its step and data position to --steps.
 """
 from __future__ import annotations
@@ -55,7 +59,7 @@ from pathlib import Path
 
 import torch
 
-PARALLEL = ("none", "ddp", "fsdp2", "tp", "tp-sp", "fsdp2-tp", "fsdp2-tp-sp")
+PARALLEL = ("none", "ddp", "fsdp2", "tp", "tp-sp", "fsdp2-tp", "fsdp2-tp-sp", "pp")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 CHECKPOINT = re.compile(r"step_(\d{8})$")
 
@@ -136,7 +140,8 @@ def mesh_shape(args, world: int) -> tuple[int, int]:
 
 def build(args, world: int, device):
     """The LanguageModel (the same seed on every rank) parallelized by --parallel, and AdamW.
-    Returns (model: the LanguageModel, trainer: what runs the loss, optimizer)."""
+    Returns (model: what the checkpoints hold, the LanguageModel or (pp) this rank's stage modules;
+    trainer: what runs the loss, or (pp) the pipeline; optimizer)."""
     from kernelforge.models import LanguageModel
 
     torch.manual_seed(args.seed)
@@ -149,6 +154,13 @@ def build(args, world: int, device):
 
         from kernelforge.distributed.plans import data_parallel, tensor_parallel
 
+        if args.parallel == "pp":
+            from kernelforge.distributed.pipeline import pipeline_parallel
+
+            pipe = pipeline_parallel(model, init_device_mesh(device.type, (world,), mesh_dim_names=("pp",)),
+                                     args.microbatches, args.schedule)
+            optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+            return stage_modules(pipe), pipe, optimizer
         mesh = init_device_mesh(device.type, mesh_shape(args, world), mesh_dim_names=("dp", "tp"))
         if args.parallel == "ddp":
             trainer = data_parallel(model, "ddp", mesh=mesh)
@@ -160,6 +172,23 @@ def build(args, world: int, device):
                 data_parallel(model, "fsdp2", mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     return model, trainer, optimizer
+
+
+def stage_modules(pipe) -> torch.nn.Module:
+    """This rank's pipeline stages as one module whose parameters have the model's names (what its
+    checkpoints hold): the stage, or the stages of an interleaved schedule merged (their layers
+    are disjoint, and the embeddings and the head are on one stage each)."""
+    if len(pipe.stages) == 1:
+        return pipe.stages[0]
+    merged, layers = torch.nn.Module(), torch.nn.ModuleDict()
+    for stage in pipe.stages:
+        for name, child in stage.named_children():
+            if name == "layers":
+                layers.update(child)
+            else:
+                merged.add_module(name, child)
+    merged.layers = layers
+    return merged
 
 
 def checkpoints(directory: Path) -> list[tuple[int, Path]]:
@@ -199,11 +228,20 @@ def _strided(value) -> bool:
     return isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements)
 
 
+def state_dict_options():
+    """The optimizer's state under one key per parameter and setting (flattened), not one
+    param_groups list per rank: pipeline ranks hold different parameters, and DCP writes an entry
+    that every rank has under the same key (a param_groups list) from one rank only."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def save_checkpoint(directory: Path, model, optimizer, step: int, position: int) -> Path:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=state_dict_options())
     state = _structure_copy({"model": model_state, "optim": optim_state,
                              "train": {"step": torch.tensor(step), "data_position": torch.tensor(position)}})
     for container, key, value in _leaves(state):
@@ -221,7 +259,7 @@ def load_checkpoint(path: Path, model, optimizer) -> tuple[int, int]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=state_dict_options())
     state = _structure_copy({"model": model_state, "optim": optim_state,
                              "train": {"step": torch.tensor(0), "data_position": torch.tensor(0)}})
     # the _StridedShard DTensors (TP's fused QKV and [gate | up] weights, their AdamW moments):
@@ -237,7 +275,8 @@ def load_checkpoint(path: Path, model, optimizer) -> tuple[int, int]:
 
         for container, key, value in strided:
             container[key] = distribute_tensor(container[key], value.device_mesh, value.placements)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=state_dict_options())
     return int(state["train"]["step"]), int(state["train"]["data_position"])
 
 
@@ -252,6 +291,8 @@ def parse_args(argv=None):
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--parallel", choices=PARALLEL, default="none")
     parser.add_argument("--tp", type=int, default=2, help="fsdp2-tp*: the tensor-parallel ranks (dp = world / tp)")
+    parser.add_argument("--microbatches", type=int, default=2, help="pp: micro-batches a step")
+    parser.add_argument("--schedule", default="1f1b", help="pp: gpipe, 1f1b or interleaved-1f1b")
     parser.add_argument("--level", default="reference", help="the model's level (kernelforge.models.LEVELS)")
     parser.add_argument("--steps", type=int, default=10, help="train up to this step (a resumed run: in all)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences a step, over all ranks")
@@ -309,7 +350,8 @@ def main(argv=None) -> int:
             say(f"no checkpoint in {directory}: starting afresh")
     data = Windows(load_corpus(), args.seq_len, args.seed, position)
     say(f"{args.parallel} on {world} process(es) ({device.type}, {dist.get_backend() if dist.is_initialized() else 'no'} "
-        f"backend); a {sum(p.numel() for p in model.parameters())}-parameter model at level {args.level!r} "
+        f"backend); a {sum(p.numel() for p in model.parameters())}-parameter "
+        f"{'stage (rank 0' + chr(39) + 's)' if args.parallel == 'pp' else 'model'} at level {args.level!r} "
         f"({args.dtype}); {args.batch_size} x {args.seq_len} tokens a step")
 
     tok_label = "tok/s/gpu" if device.type == "cuda" else "tok/s/rank"
@@ -320,13 +362,20 @@ def main(argv=None) -> int:
         if dp > 1:
             tokens = tokens[dp_rank * local_batch: (dp_rank + 1) * local_batch]
         with trainer.kernel_scope():
-            loss = trainer.loss(tokens.to(device))
-            loss.backward()
+            if args.parallel == "pp":  # forward and backward through the schedule; the loss on the last stage
+                loss = trainer.step(tokens.to(device))
+            else:
+                loss = trainer.loss(tokens.to(device))
+                loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
         if step % args.log_every == 0 or step == args.steps:
-            value = loss.detach().double()
+            if args.parallel == "pp":  # from the last stage's rank
+                value = torch.zeros((), dtype=torch.float64, device=device) if loss is None else loss.double()
+                dist.broadcast(value, src=world - 1)
+            else:
+                value = loss.detach().double()
             if dp > 1:  # the mean of equal slices' means (each tp rank of a slice holds it): the global batch's
                 dist.all_reduce(value)
                 value /= world

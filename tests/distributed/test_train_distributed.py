@@ -2,7 +2,7 @@
 the CPU (gloo) (4 for FSDP2 x TP on a (2, 2) mesh), a tiny float64 model at the reference level,
 4 steps with a checkpoint every 2. Each plan's loss at every step equals the one-process run's on
 the full batch (DDP and FSDP2 give each rank half of it, TP the whole, FSDP2 x TP each dp group
-half), and so do its final checkpoint's parameters; a run resumed
+half, the pipeline the whole in micro-batches), and so do its final checkpoint's parameters; a run resumed
 from the step-2 checkpoint ends on the uninterrupted run's losses, parameters and AdamW state.
 Every run writes only into pytest's tmp_path (its working directory, TMPDIR, --checkpoint-dir)."""
 from __future__ import annotations
@@ -131,3 +131,10 @@ def test_fsdp2_tp_on_a_2d_mesh(one_process, tmp_path):
 @pytest.mark.slow
 def test_fsdp2_tp_sequence_parallel_on_a_2d_mesh(one_process, tmp_path):
     check_plan("fsdp2-tp-sp", one_process, tmp_path, 4, "--tp", "2")
+
+
+def test_pipeline(one_process, tmp_path):
+    # two stages of one layer each, the batch in 2 micro-batches (1F1B): the same losses and final
+    # parameters as one process; each rank's checkpoint holds its stage (tok_emb on the first, the
+    # head's copy of it on the last), together the model's keys
+    check_plan("pp", one_process, tmp_path, 2, "--microbatches", "2")
