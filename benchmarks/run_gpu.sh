@@ -145,16 +145,18 @@ for stage in $stages; do
       status=$(( status | $? )); grep -E "^(FAILED|ERROR)" "$R/distributed-tests.log" | head -20
       tail -n 2 "$R/distributed-tests.log"
       gpus=$(nvidia-smi -L | wc -l)
-      for plan in ${SCALING_PLANS:-none ddp fsdp2 tp}; do
+      for plan in ${SCALING_PLANS:-none ddp fsdp2 tp pp}; do
         for n in 1 2 4; do
           [ "$n" -le "$gpus" ] || continue
           [ "$plan" = none ] && [ "$n" -gt 1 ] && continue
           [ "$plan" != none ] && [ "$n" -eq 1 ] && continue
           per_gpu=${SCALING_BATCH:-8}  # sequences a GPU a step (TP: every rank the whole batch)
-          if [ "$plan" = tp ]; then batch=$per_gpu; else batch=$(( per_gpu * n )); fi
+          extra=""  # tp and pp: every rank the whole batch (pp in 4 micro-batches); else each rank its part
+          if [ "$plan" = tp ] || [ "$plan" = pp ]; then batch=$per_gpu; else batch=$(( per_gpu * n )); fi
+          [ "$plan" = pp ] && extra="--microbatches 4"
           echo "== $plan on $n GPU(s), batch $batch" >> "$R/scaling.log"
           NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} timeout "${SCALING_TIMEOUT:-120}" torchrun --standalone \
-            --nproc_per_node "$n" examples/08_train_distributed.py --parallel "$plan" --batch-size "$batch" \
+            --nproc_per_node "$n" examples/08_train_distributed.py --parallel "$plan" --batch-size "$batch" $extra \
             ${SCALING_ARGS:---level triton --dtype bfloat16 --dim 1024 --layers 8 --heads 16 --seq-len 1024 --steps 40 --log-every 10} \
             >> "$R/scaling.log" 2>&1
           status=$(( status | $? ))
