@@ -316,3 +316,15 @@ def test_no_recording_where_no_triton_kernel_can_run(monkeypatch):
         torch.testing.assert_close(SCALED(x, y, 1.5), x * 1.5)
     assert SCALED.plan(x, y, 1.5) is _eager_plans.NOTHING_TO_REPLAY
     assert replays["count"] == 0
+
+
+def test_the_triton_gemms_overrides_are_part_of_every_signature(monkeypatch):
+    # a debugging override set after a plan was recorded (kernelforge.triton.gemm.USE_GEMV, ...)
+    # reaches the next call: the signature differs, so the call is not a replay of the old plan
+    from kernelforge.triton import gemm as triton_gemm
+
+    before = _eager_plans.state()
+    for knob, value in (("USE_TMA", False), ("USE_GLUON", False), ("USE_GEMV", True), ("SPLIT_K", 2)):
+        monkeypatch.setattr(triton_gemm, knob, value)
+        assert _eager_plans.state() != before, knob
+        before = _eager_plans.state()

@@ -39,6 +39,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kernelforge import _eager_plans
 from kernelforge.bench.timing import autotune_timing
 from kernelforge.triton import interpreter_enabled
 from kernelforge.triton import gemv
@@ -54,6 +55,15 @@ USE_TMA: Optional[bool] = None
 USE_GLUON: Optional[bool] = None  # the Gluon kernel for one matrix: None its rule, False never, True any size
 USE_GEMV: Optional[bool] = None  # the few-row kernel (gemv.py): None its rule (one row), False never, True <= 8 rows
 SPLIT_K: Optional[int] = None  # slices of K a TMA-kernel tile is split into: None the autotuner's pick
+
+
+def overrides() -> tuple:
+    """The four settings above: part of every eager plan's signature (kernelforge._eager_plans), so
+    a call recorded under one setting is not replayed under another."""
+    return USE_TMA, USE_GLUON, USE_GEMV, SPLIT_K
+
+
+_eager_plans.add_state(overrides)
 _TMA_MIN_ROWS = 65  # at 16 rows the pointer kernel's 16-row tiles win (benchmarks/tuning/gemm_sweep.py)
 _PRECISION = {"fp32": "ieee", "tf32": "tf32", "fp16": "tf32", "bf16": "tf32", "fp8": "tf32"}  # not fp32: ignored
 _COMPUTE_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}  # 16-bit operands the tensor cores take as they are
