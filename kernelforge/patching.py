@@ -340,11 +340,15 @@ class _Patcher:
             layer.activation = torch.nn.Identity()
 
 
+_WARNED = "_kernelforge_patch_warned"  # an instance attribute: this model's skipped modules were warned of
+
+
 def patch(model: torch.nn.Module) -> Replacements:
     """Replace, in place, the torch.nn layers of `model` that kernelforge has modules for, keeping
     their Parameter objects (so the state_dict, its keys, and optimizers built on model.parameters()
     are unchanged). Returns the Replacements (a list of Replacement; `.skipped` lists what was left
-    as it was, and why, which is also warned). A second call replaces nothing and returns [].
+    as it was, and why, which the first call also warns of). A second call replaces nothing and
+    returns [] (its `.skipped` the same list, not warned again).
 
         layer = torch.nn.TransformerEncoderLayer(64, 4, dropout=0.0, activation="gelu")
         model = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
@@ -370,8 +374,9 @@ def patch(model: torch.nn.Module) -> Replacements:
         patcher = _Patcher(model)
         patcher.visit(model, "")
         result = Replacements(patcher.replaced, patcher.skipped)
-    if result.skipped:
+    if result.skipped and not model.__dict__.get(_WARNED):  # once a model: a second patch says nothing new
         listing = "; ".join(f"{s.name or '<model>'} ({s.type}): {s.reason}" for s in result.skipped)
         warnings.warn(f"kernelforge.patch left {len(result.skipped)} module(s) as they were: {listing}",
                       stacklevel=2)
+        model.__dict__[_WARNED] = True
     return result

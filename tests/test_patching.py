@@ -333,6 +333,18 @@ def test_mha_kernelforge_cannot_take_is_skipped_and_reported(kwargs, reason, tra
         assert_close(model(x, kv), ref(x, kv))
 
 
+def test_a_second_patch_reports_the_skipped_modules_without_warning_again():
+    model = randomize(WithMHA(dropout=0.1))
+    with pytest.warns(UserWarning, match="left 1 module"):
+        kf.patch(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once is enough
+        second = kf.patch(model)
+    assert second == [] and [s.name for s in second.skipped] == ["attn"]
+    with pytest.warns(UserWarning, match="left 1 module"):  # another model is warned of as before
+        kf.patch(randomize(WithMHA(dropout=0.1)))
+
+
 def test_modules_with_hooks_and_subclasses_are_skipped():
     class MyLinear(torch.nn.Linear):
         pass
