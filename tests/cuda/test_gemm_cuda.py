@@ -394,7 +394,11 @@ def test_emulated_empty_k_gives_the_epilogue_of_zeros(emulator, tmp_path):
     bias, residual = torch.randn(5).half(), torch.randn(2, 9, 5).half()
     out, preact = run_emulated(emulator, tmp_path, a, b, bias, residual, "gelu", save_preact=True)
     expected = (activation_value(bias.double(), "gelu") + residual.double()).half()
-    assert torch.equal(out, expected) and not preact.any()
+    # the kernel's epilogue is float32, rounded once to half; the oracle's float64 rounded once: the
+    # two roundings may land an ulp of half apart where float32's error crosses a rounding boundary
+    # (seed 1047822534 did), never more
+    torch.testing.assert_close(out, expected, rtol=2 ** -10, atol=2 ** -24)
+    assert not preact.any()
 
 
 def test_shared_memory_table_matches_the_tiles(emulator):
