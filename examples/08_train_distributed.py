@@ -47,6 +47,7 @@ the step and data position. --resume loads the last complete one of --checkpoint
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import re
 import resource
@@ -396,6 +397,11 @@ def main(argv=None) -> int:
     if last_saved is None:
         say(f"already at step {step} (--steps {args.steps}): nothing to train")
     if dist.is_initialized():
+        # the model, its wrappers and the pipeline's stages hold process groups and communication
+        # state: let them go while every group is alive, not in the interpreter's finalization
+        # after the groups are destroyed (a pipeline rank over gloo once aborted there)
+        del model, trainer, optimizer
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
     return 0

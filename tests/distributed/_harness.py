@@ -6,10 +6,12 @@ module-scoped fixture calling `run_job`, `case_names`, `assert_passed`). `check`
 DTensors with the op on the full tensors; `assert_same_step` a training step with one process's."""
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
 import socket
+import sys
 import time
 import traceback
 from typing import Callable, Optional
@@ -58,8 +60,13 @@ def check(mesh, fn, inputs, placements, expected, *, grad=True, grad_atol=1e-5):
 
 def _worker(rank: int, port: int, out_dir: str, cases: Callable[[], dict], mesh_shape: tuple,
             mesh_dim_names: Optional[tuple]) -> None:
+    import faulthandler
+
     import torch.distributed as dist
 
+    # a rank killed by a signal (SIGABRT from a C++ std::terminate, SIGSEGV) prints every
+    # thread's Python stack to stderr, which pytest shows with the failing test
+    faulthandler.enable(all_threads=True)
     backend = job_backend()
     if backend == "nccl":  # one GPU a rank; the cases' tensors made on it (their code names no device)
         torch.cuda.set_device(rank)
@@ -76,6 +83,7 @@ def _worker(rank: int, port: int, out_dir: str, cases: Callable[[], dict], mesh_
         results = {}
         with use_backend("reference"):
             for name, case in cases().items():
+                _write_results(out_dir, rank, results, running=name)  # a rank that dies names its case
                 torch.manual_seed(0)  # the same full tensors on every rank
                 try:
                     case(mesh)
@@ -83,10 +91,23 @@ def _worker(rank: int, port: int, out_dir: str, cases: Callable[[], dict], mesh_
                 except Exception:
                     results[name] = traceback.format_exc()
                 dist.barrier()  # a case failing on one rank only must not leave the other in a collective
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
+        _write_results(out_dir, rank, results, running=None)
     finally:
+        gc.collect()  # the cases' models, stages and meshes go while their groups are alive
         dist.destroy_process_group()
+    # The results are on disk and the process group is gone: leave without the interpreter's
+    # finalization. A rank that had run pipeline P2P over gloo once died there in CI with a C++
+    # std::terminate (SIGABRT) after every case had passed, which failed the whole module.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _write_results(out_dir: str, rank: int, results: dict, running: Optional[str]) -> None:
+    path = os.path.join(out_dir, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({"results": results, "running": running}, f)
+    os.replace(path + ".tmp", path)
 
 
 def _free_port() -> int:
@@ -122,18 +143,43 @@ def run_job(out_dir, cases: Callable[[], dict], mesh_shape: tuple = (WORLD_SIZE,
     context = mp.start_processes(_worker, args=(_free_port(), str(out_dir), cases, tuple(mesh_shape), mesh_dim_names),
                                  nprocs=world_size, join=False, start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {world_size}-process DTensor job did not finish in {TIMEOUT_S} s")
-    merged = {}
+    died = None
+    try:
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                died = f"the {world_size}-process job did not finish in {TIMEOUT_S} s"
+                break
+    except (mp.ProcessExitedException, mp.ProcessRaisedException) as error:  # a rank died or raised outside a case
+        died = str(error)
+    return merged_results(out_dir, world_size, list(cases()), died)
+
+
+def merged_results(out_dir, world_size: int, names: list, died: Optional[str]) -> dict:
+    """Every rank's results -> one per case: a case fails on any rank's failure, and, when a
+    rank died (or the job hung), every case not finished on all ranks fails with the cause and the
+    case each rank was in."""
+    records = []
     for rank in range(world_size):
-        for name, failure in json.loads((out_dir / f"rank{rank}.json").read_text()).items():
+        path = out_dir / f"rank{rank}.json"
+        records.append(json.loads(path.read_text()) if path.exists() else {"results": {}, "running": None})
+    merged = {}
+    for rank, record in enumerate(records):
+        for name, failure in record["results"].items():
             if failure is not None:
                 merged[name] = f"rank {rank}: {failure}"
             else:
                 merged.setdefault(name, None)
+    if died is None:
+        return merged
+    unfinished = [name for name in names if any(name not in record["results"] for record in records)]
+    if not unfinished:
+        pytest.fail(f"every case finished on every rank, then: {died}")
+    where = "; ".join(f"rank {rank} was in case {record['running']!r}" for rank, record in enumerate(records)
+                      if record["running"] is not None) or "no rank was in a case"
+    for name in unfinished:
+        merged[name] = f"{died} ({where})"
     return merged
 
 
