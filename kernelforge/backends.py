@@ -33,7 +33,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterator, Optional, Sequence
 
-BACKENDS = ("triton", "cuda", "reference")
+BACKENDS = ("triton", "cuda", "cublas", "reference")
 ENV_VAR = "KERNELFORGE_BACKEND"
 
 # Returns None when the implementation can take the inputs, else a reason in words.
@@ -111,9 +111,10 @@ def _triton_traceable() -> bool:
     return not interpreter_enabled()
 
 
-# What each backend's launches are, by default, to a tracer: the reference is torch ops; Triton
-# kernels go through torch.library.wrap_triton; CUDA C++ extensions are opaque.
-_DEFAULT_TRACEABLE = {"reference": True, "triton": _triton_traceable, "cuda": False}
+# What each backend's launches are, by default, to a tracer: the reference and cuBLAS (through
+# torch's matmul and its fused-epilogue variants) are torch ops; Triton kernels go through
+# torch.library.wrap_triton; CUDA C++ extensions are opaque.
+_DEFAULT_TRACEABLE = {"reference": True, "triton": _triton_traceable, "cuda": False, "cublas": True}
 
 
 def register(op: str, backend: str, module: str, supports: SupportPredicate,

@@ -33,7 +33,8 @@ precision "fp8" trains with the straight-through estimator: the rounding to e4m3
 the identity, and the backward GEMMs run in bf16 on the unquantized operands (an e4m3
 operand takes no gradient).
 
-Backends (registry "gemm": gemm): triton, cuda (fp16 / bf16 compute), reference. See
+Backends (registry "gemm": gemm): triton, cublas (torch's matmul on CUDA: kernelforge/cublas/gemm.py),
+cuda (fp16 / bf16 compute), reference. See
 kernelforge/reference/gemm.py for the launcher interface and what each compute mode means.
 
 Under torch.compile the GEMM stays one opaque custom op on the GPU: Inductor's code calls
@@ -125,19 +126,39 @@ def _why_not_cuda(a: torch.Tensor, b: torch.Tensor, compute: str = "fp32"):
     return why_not(a, b, compute) or why_unavailable("gemm")
 
 
+def _why_not_cublas(a: torch.Tensor, b: torch.Tensor, compute: str = "fp32"):
+    from kernelforge.cublas.gemm import why_not
+
+    return why_not(a, b, compute)
+
+
 def _preference(a: torch.Tensor, b: torch.Tensor, compute: str = "fp32"):
     if a.device.type != "cuda":
         return ("reference",), "the reference is the CPU implementation"
-    return (("triton", "cuda", "reference"),
-            "the Triton GEMM (TMA and wgmma on Hopper) first; the CUDA one (mma.sync, cp.async) second; "
-            "the reference is torch.matmul")
+    return (("triton", "cublas", "cuda", "reference"),
+            "the Triton GEMM (TMA and wgmma on Hopper) first; cuBLAS through torch next (its epilogue fused "
+            "where cuBLASLt can); the CUDA one (mma.sync, cp.async) after it (~0.35x cuBLAS); the reference "
+            "last (float32 copies of 16-bit operands)")
 
 
 # traceable=False: autotuned / heuristics-wrapped kernels, host TMA descriptors, Gluon (module docstring)
 backends.register(OP, "triton", "kernelforge.triton.gemm", _why_not_triton, traceable=False)
 backends.register(OP, "cuda", "kernelforge.cuda.matmul", _why_not_cuda)
+# cuBLAS is torch ops, which torch.compile could trace; registered opaque so that a compiled graph
+# keeps the GEMM the eager rules pick (the traced order would put cuBLAS before the opaque Triton
+# GEMM) until a measurement says tracing it pays
+backends.register(OP, "cublas", "kernelforge.cublas.gemm", _why_not_cublas, traceable=False)
 backends.register(OP, "reference", "kernelforge.reference.gemm", lambda *inputs, **options: None)
-backends.set_preference(OP, _preference, lambda a, b, compute="fp32": (a.device.type, a.dtype, b.dtype, compute))
+
+
+def _choice_key(a: torch.Tensor, b: torch.Tensor, compute: str = "fp32"):
+    # cuBLAS computes float32 as torch's tf32 flag says at the call: a choice made under the other
+    # setting must not be reused (an explicit precision="fp32" would silently run in tf32)
+    tf32 = compute in ("fp32", "tf32") and torch.backends.cuda.matmul.allow_tf32
+    return a.device.type, a.dtype, b.dtype, compute, tf32
+
+
+backends.set_preference(OP, _preference, _choice_key)
 
 
 def _choose(a: torch.Tensor, b: torch.Tensor, compute: str) -> backends.Choice:

@@ -53,15 +53,16 @@ GRAD_FLOOR_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "tf32": torc
 
 
 def check(backend, device, dtype, a, b, bias=None, activation=None, residual=None, precision="auto",
-          yardstick=None, what=""):
+          yardstick=None, what="", select=kf.use_backend):
     """kf.gemm on `backend` against float64 autograd of the same expression, outputs and
     every input gradient, with the same computation at `dtype` as the yardstick (or
-    `yardstick`, a function of the inputs, for a precision other than the inputs')."""
+    `yardstick`, a function of the inputs, for a precision other than the inputs'). `select`:
+    how the backend is set (kf.prefer_backend for one that only some ops of the backward have)."""
     inputs = [a, b, bias, residual]
     mine = [None if t is None else same_layout(t).requires_grad_() for t in inputs]
     theirs = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
     exact = [None if t is None else t.detach().double().requires_grad_() for t in inputs]
-    with kf.use_backend(backend):
+    with select(backend):
         out = kf.gemm(mine[0], mine[1], bias=mine[2], activation=activation, residual=mine[3], precision=precision)
     same = (yardstick or torch_gemm)(theirs[0], theirs[1], theirs[2], activation, theirs[3])
     oracle = torch_gemm(exact[0], exact[1], exact[2], activation, exact[3])
@@ -73,7 +74,7 @@ def check(backend, device, dtype, a, b, bias=None, activation=None, residual=Non
     if out.numel() == 0:
         return
     grad = torch.randn_like(out)
-    with kf.use_backend(backend):
+    with select(backend):
         got = torch.autograd.grad(out, [t for t in mine if t is not None], grad)
     want = torch.autograd.grad(oracle, [t for t in exact if t is not None], grad.double())
     base = torch.autograd.grad(same, [t for t in theirs if t is not None], grad.to(same.dtype))
