@@ -19,6 +19,10 @@ Policy, in order:
    which Inductor launches from its own code) come before opaque ones (CUDA C++): the eager
    rules put CUDA first only where its cheaper host launch wins, and a compiled graph pays
    no kernelforge host time for either.
+   Where an op opts in to measurement (`set_tuning`, kernelforge.tuning) and nothing is forced
+   or preferred, a CUDA call's choice is the backend measured fastest for inputs like these (a
+   size bucket) on this GPU, timed on first use and kept in a cache file; the rules decide
+   until a measurement exists.
 
 `recording()` collects which backend each op call ran on, to show what a model used.
 """
@@ -76,6 +80,9 @@ class Implementation:
 class Choice:
     implementation: Implementation
     reason: str
+    # ((backend, microseconds), ...) fastest first when a measurement made the choice (kernelforge.tuning)
+    measured: tuple = ()
+    unmeasured: str = ""  # else, when the op opts in to measurement: why these inputs were not measured
 
     @property
     def backend(self) -> str:
@@ -89,8 +96,10 @@ class Choice:
 _registry: dict[str, dict[str, Implementation]] = {}
 _preferences: dict[str, PreferenceRule] = {}
 _choice_keys: dict[str, ChoiceKey] = {}
+_buckets: dict[str, Callable[..., Hashable]] = {}  # op -> its tuner's bucket, part of its choice key
 _choices: dict[tuple, Choice] = {}
 _aliases: dict[str, tuple[str, dict]] = {}  # public function name -> (registry op, its options)
+_tuners: dict[str, object] = {}  # op -> its kernelforge.tuning.Tuner (set_tuning)
 _generation = [0]  # forget_choices() calls (plan_key)
 # The backend forced by use_backend(). Process-wide on purpose (like torch.backends flags):
 # autograd runs backward ops on its own threads, and a forced backend must govern them
@@ -136,6 +145,38 @@ def set_preference(op: str, rule: PreferenceRule, choice_key: Optional[ChoiceKey
     if choice_key is not None:
         _choice_keys[op] = choice_key
     forget_choices()
+
+
+def set_tuning(op: str, tuner) -> None:
+    """Let measurement choose `op`'s backend (kernelforge.tuning.Tuner: `bucket(*inputs, **options)`
+    summarizes the inputs' sizes, `choose(op, rules_choice, inputs, options)` returns the choice and
+    whether it may be cached). The op's choice key then includes the bucket: a measured choice is
+    cached per bucket, and a call pays the bucket function on top of the key it paid before."""
+    if op not in _choice_keys:
+        raise ValueError(f"set_tuning({op!r}): set the op's preference with a choice_key first")
+    _tuners[op], _buckets[op] = tuner, tuner.bucket
+    forget_choices()
+
+
+def tuned(op: str) -> bool:
+    """Whether `op` opts in to measurement (set_tuning)."""
+    return op in _tuners
+
+
+def preference(op: str, *inputs, **options) -> "tuple[Sequence[str], str]":
+    """The op's rule for these inputs: (backends fastest first, why)."""
+    return _preferences[op](*inputs, **options)
+
+
+@contextlib.contextmanager
+def unrecorded() -> Iterator[None]:
+    """Selections inside the block are not counted by open recording() blocks (a measurement's runs)."""
+    saved = _recorders[:]
+    _recorders.clear()
+    try:
+        yield
+    finally:
+        _recorders[:] = saved
 
 
 def forget_choices() -> None:
@@ -266,10 +307,18 @@ def select(op: str, *inputs, **options) -> Choice:
         # comparisons would add guards (the rules' own comparisons guard only what they decide)
         choice = _select(op, forced, preferred, inputs, options, traced)
     else:
-        key = (op, forced, preferred, traced, key_fn(*inputs, **options))
+        bucket = _buckets.get(op)
+        key = (op, forced, preferred, traced, key_fn(*inputs, **options),
+               None if bucket is None else bucket(*inputs, **options))
         choice = _choices.get(key)
         if choice is None:
-            choice = _choices[key] = _select(op, forced, preferred, inputs, options, traced)
+            choice = _select(op, forced, preferred, inputs, options, traced)
+            tuner = _tuners.get(op) if forced is None and preferred is None else None
+            cacheable = True
+            if tuner is not None:  # measured, or the rules with why not (not cached while that may pass)
+                choice, cacheable = tuner.choose(op, choice, inputs, options)
+            if cacheable:
+                _choices[key] = choice
     for counter in _recorders:
         counter[(op, choice.backend)] += 1
     return choice
@@ -353,6 +402,10 @@ def explain(op: str, *inputs, **options) -> str:
         choice = select(op, *inputs, **options)
         lines.append(f"{op}: runs on {choice.backend} because {choice.reason}.")
         chosen = choice.backend
+        if choice.measured:
+            lines.append("  measured: " + ", ".join(f"{b} {us:.1f} us" for b, us in choice.measured))
+        else:
+            lines.append(f"  rules (no measurement: {choice.unmeasured or _unmeasured(op)})")
     except BackendUnsupportedError as err:
         lines.append(f"{op}: would raise: {err}")
         chosen = None
@@ -362,3 +415,12 @@ def explain(op: str, *inputs, **options) -> str:
         why_not = impl.supports(*inputs, **options)
         lines.append(f"  {backend}: " + ("could run these inputs" if why_not is None else f"cannot: {why_not}"))
     return "\n".join(lines)
+
+
+def _unmeasured(op: str) -> str:
+    """Why a choice made without the op's tuner came from the rules."""
+    if op not in _tuners:
+        return f"{op} does not opt in to measurement"
+    if forced_backend() is not None:
+        return f"{forced_backend()} is forced"
+    return f"{_preferred[0]} is preferred" if _preferred[0] is not None else "while torch.compile traces"

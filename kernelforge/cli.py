@@ -1,7 +1,8 @@
-"""The `kernelforge` command: doctor | build | demo | bench | new-op."""
+"""The `kernelforge` command: doctor | build | demo | bench | tune | new-op."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -35,6 +36,17 @@ def main(argv: list[str] | None = None) -> int:
                        help="GPU: also time kernelforge's forward with triton.testing.do_bench, as an extra row")
     bench.add_argument("--compare", nargs=2, metavar=("OLD.json", "NEW.json"),
                        help="print speedups of NEW over OLD and flag regressions beyond noise; exit 1 if any")
+    tune = sub.add_parser("tune", help="measure each op's fastest backend per input size on this GPU ahead of time "
+                                       "(kernelforge.tuning); show or clear the cache of measurements")
+    what = tune.add_mutually_exclusive_group()
+    what.add_argument("--show", action="store_true", help="print the cache: this GPU's entries, the others counted")
+    what.add_argument("--clear", action="store_true", help="delete the cache file")
+    what.add_argument("--suite", action="append", default=None,
+                      help="a benchmark suite whose shapes to run (repeatable; default: every suite of an op that "
+                           "opts in to measurement)")
+    what.add_argument("--model", choices=("lm", "vit", "gnn"), action="append", default=None,
+                      help="an example model (the demo's realistic size) whose forward and backward to run")
+    tune.add_argument("--dtype", default="bf16", help="comma-separated: bf16, fp16, fp32 (default bf16)")
     new_op = sub.add_parser("new-op", help="write the files of a new op (reference, Triton, CUDA, op, tests, "
                                            "benchmark) from the templates, with TODOs where the math goes")
     new_op.add_argument("name", help="the op's name, a lower-case identifier (e.g. fused_gelu)")
@@ -54,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(args)
     if args.command == "new-op":
         return _new_op(args)
+    if args.command == "tune":
+        return _tune(args)
     return _demo(args)
 
 
@@ -90,6 +104,39 @@ def _new_op(args) -> int:
         return 2
     sys.stdout.write(next_steps(args.name, written, root))
     return 0
+
+
+def _tune(args) -> int:
+    from kernelforge import tuning
+
+    if args.show:
+        sys.stdout.write(tuning.show())
+        return 0
+    if args.clear:
+        existed = tuning.clear()
+        sys.stdout.write(f"{'deleted' if existed else 'no cache at'} {tuning.cache_path()}\n")
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.stderr.write("kernelforge tune: no CUDA GPU is visible; backends are measured on a GPU only "
+                         "(--show and --clear work anywhere)\n")
+        return 2
+    if not tuning.enabled():
+        sys.stderr.write(f"kernelforge tune: measurement is off ({tuning.ENV_VAR}={os.environ.get(tuning.ENV_VAR)!r})\n")
+        return 2
+    from kernelforge.tuning_fill import fill_from_models, fill_from_suites
+
+    try:
+        if args.model:
+            failures = fill_from_models(args.model, args.dtype.split(","), sys.stdout)
+        else:
+            failures = fill_from_suites(args.suite, args.dtype.split(","), sys.stdout)
+    except ValueError as err:
+        sys.stderr.write(f"kernelforge tune: {err}\n")
+        return 2
+    sys.stdout.write(tuning.show())
+    return 1 if failures else 0
 
 
 def _bench(args) -> int:

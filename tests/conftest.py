@@ -53,6 +53,14 @@ def fresh_eager_plans():
 
 
 @pytest.fixture(autouse=True)
+def no_measured_choices(request, monkeypatch):
+    """Backends are chosen by the rules in every test but tests/test_tuning.py: a measurement would
+    make a test's backend depend on timings, and write the cache file of the user running the tests."""
+    if request.path.name != "test_tuning.py":
+        monkeypatch.setenv("KERNELFORGE_TUNING", "0")
+
+
+@pytest.fixture(autouse=True)
 def return_cached_gpu_memory():
     """The GPU suite's workers share one GPU: after each test a worker hands its allocator's cached
     blocks back, so a large test in another worker finds the memory (else one worker's cache of

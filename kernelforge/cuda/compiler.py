@@ -172,6 +172,22 @@ class CUDACompiler:
         self._by_extension[extension] = module
         return module
 
+    def ready(self, extension: str) -> bool:
+        """Whether loading `extension` needs no build: loaded in this process, or its library is in
+        the JIT cache (an ahead-of-time build counts once loaded). Hashes the sources: not for a
+        kernel call's path (kernelforge.tuning asks before timing a CUDA candidate)."""
+        if extension in self._by_extension:
+            return True
+        ext = EXTENSIONS.get(extension)
+        if ext is None:
+            return False
+        try:
+            archs = visible_arch_list()
+        except CUDABuildError:  # no GPU and no TORCH_CUDA_ARCH_LIST: nothing could be built or loaded
+            return False
+        module_name = f"{ext.name}_{self.cache_key([self.source_dir / s for s in ext.sources], archs)[:16]}"
+        return module_name in self._loaded or (self.cache_dir / module_name / f"{module_name}.so").is_file()
+
     def _load_ahead_of_time(self, ext: Extension) -> Optional[ModuleType]:
         """The ahead-of-time library of `ext` if its record matches this process, else None (and
         the reason in aot_status)."""

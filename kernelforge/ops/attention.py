@@ -44,7 +44,7 @@ from typing import Optional
 
 import torch
 
-from kernelforge import backends
+from kernelforge import backends, tuning
 from kernelforge.block_mask import TENSOR_FIELDS, BlockMask
 from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, as_float, check_floating, check_same
 from kernelforge.ops._opdef import define_op
@@ -102,6 +102,7 @@ backends.register_alias("flash_attention", OP)
 backends.register(OP, "cuda", "kernelforge.cuda.attention", _why_not_cuda)
 backends.register(OP, "reference", "kernelforge.reference.attention", _why_not_reference)
 backends.set_preference(OP, _preference, _choice_key)
+backends.set_tuning(OP, tuning.ATTENTION)  # measured on CUDA where it pays (kernelforge.tuning)
 
 # id(Implementation) -> (it, a copy registered opaque): the triton Choice of a call the Gluon kernels may run
 _OPAQUE: dict[int, tuple] = {}

@@ -56,7 +56,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from kernelforge import backends
+from kernelforge import backends, tuning
 from kernelforge.ops import activations as activation_ops
 from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, require
 from kernelforge.ops._opdef import define_op, is_traced
@@ -159,6 +159,7 @@ def _choice_key(a: torch.Tensor, b: torch.Tensor, compute: str = "fp32"):
 
 
 backends.set_preference(OP, _preference, _choice_key)
+backends.set_tuning(OP, tuning.GEMM)  # measured on CUDA where it pays (kernelforge.tuning)
 
 
 def _choose(a: torch.Tensor, b: torch.Tensor, compute: str) -> backends.Choice:

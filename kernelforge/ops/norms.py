@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from kernelforge import backends
+from kernelforge import backends, tuning
 from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, as_float, check_floating, check_same, require
 from kernelforge.ops._opdef import Op, define_op
 
@@ -106,6 +106,7 @@ backends.register_alias("add_rms_norm", OP)
 backends.register(OP, "cuda", "kernelforge.cuda.norms", _why_not_cuda)
 backends.register(OP, "reference", "kernelforge.reference.norms", _why_not_reference)
 backends.set_preference(OP, _preference, _choice_key)
+backends.set_tuning(OP, tuning.NORMS)  # measured on CUDA where it pays (kernelforge.tuning)
 
 
 # ----------------------------------------------------------------------------- variants
