@@ -170,6 +170,10 @@ CASES = {
         meta(B, H, SQ, D), meta(B, HKV, SK, D), meta(B, HKV, SK, D), causal=True),
     "attention.optimized_cpu_attention": lambda: attention.optimized_cpu_attention(
         meta(B, H, SQ, D), meta(B, HKV, SK, D), meta(B, HKV, SK, D), 8, scale=0.5),
+    "attention.gather_pages": lambda: attention.gather_pages(meta(5, HKV, 4, D), index(B, 3, dtype=torch.int32)),
+    "attention.unpage": lambda: attention.unpage(
+        meta(5, HKV, 4, D), meta(5, HKV, 4, D),
+        attention.Visibility(None, 0, seqlens=index(B, dtype=torch.int32), block_table=index(B, 3)))[:2],
     "convrnn.convrnn_forward": lambda: convrnn.convrnn_forward(seq, meta(1, 1, 3), meta(2, 7)),
     "convrnn.convrnn_backward": lambda: convrnn.convrnn_backward(seq, meta(2, 7), meta(1, 1, 3), meta(2, 7), seq),
     "cross_entropy.target_masks": lambda: cross_entropy.target_masks(target, N, -100),

@@ -23,8 +23,11 @@ would give a wrong result is redistributed away, never fused):
   Heads only where the kv heads divide by the mesh's size (grouped-query attention pairs q's heads
   with k's by index: both must split at group boundaries). attn_mask is sharded with them where it
   has that dim whole, else Replicate (broadcast); cache_seqlens (batch,) Shard(0) with the batch,
-  else Replicate. With a block mask (its tensors lay the batch and heads out in tile lists), only
-  Replicate is offered.
+  else Replicate. A paged cache (block_table (batch, max_blocks) into page pools k, v (num_blocks,
+  kv_heads, page_size, D)): over the batch, q, the table and the lengths Shard(0) and the pools
+  Replicate (a rank's rows of the table name pages anywhere in the pool); over the heads, q and the
+  pools Shard(1), the table and the lengths Replicate. With a block mask (its tensors lay the batch
+  and heads out in tile lists), only Replicate is offered.
 - cross_entropy and its backward: the op is per row (the public function reduces with torch ops,
   which DTensor runs itself: a sum of the Shard(0) losses is a Partial, the mean divides it by the
   count of targets, both reduced over all ranks, so the mean of sharded rows is exact). Rows
@@ -118,26 +121,31 @@ def _attention_dims(q, k, block_mask) -> list[int]:
 
 
 def _attention_strategies(q, dims, rows: int, attn_mask, n_block_mask: int, before_mask: int,
-                          cache_seqlens=(), outputs: int = 2):
+                          cache_seqlens=(), outputs: int = 2, block_table=None):
     """row_op_strategies-like: `rows` per-row tensors first (q, k, v...), `before_mask` options, the
-    mask, the block mask's tensors, two options, [cache_seqlens]."""
+    mask, the block mask's tensors, two options, [cache_seqlens, block_table]. With a block_table,
+    k and v (rows 1 and 2) are page pools: Replicate over the batch."""
     from torch.distributed.tensor import Replicate, Shard
 
     R = Replicate()
     strategies = []
     for placement, d in [(R, None)] + [(Shard(d), d) for d in dims]:
         mask = None if attn_mask is None else R if d is None else _aligned(attn_mask, q.shape, d)
-        inputs = [placement] * rows + [None] * before_mask + [mask] + [R] * n_block_mask + [None, None]
+        per_row = [placement] * rows
+        if block_table is not None and d == 0:
+            per_row[1:3] = [R, R]
+        inputs = per_row + [None] * before_mask + [mask] + [R] * n_block_mask + [None, None]
         if cache_seqlens != ():
-            inputs.append(None if cache_seqlens is None else placement if d == 0 else R)
+            for t in (cache_seqlens, block_table):
+                inputs.append(None if t is None else placement if d == 0 else R)
         strategies.append(([placement] * outputs, inputs))
     return strategies
 
 
 def _flash_attention(q, k, v, scale, window_left, window_right, attn_mask, block_mask, block_q, block_k,
-                     cache_seqlens=None):
+                     cache_seqlens=None, block_table=None):
     return _attention_strategies(q, _attention_dims(q, k, block_mask), 3, attn_mask, len(block_mask), 3,
-                                 cache_seqlens)
+                                 cache_seqlens, block_table=block_table)
 
 
 def _flash_attention_backward(grad_out, q, k, v, out, lse, scale, window_left, window_right, attn_mask, block_mask,

@@ -4,7 +4,7 @@ Registered ops (kernelforge.ops._opdef.define_op: each with its fake and gradien
 eager call that skips the dispatcher):
     kernelforge::flash_attention(Tensor q, Tensor k, Tensor v, float scale, int window_left,
         int window_right, Tensor? attn_mask, Tensor[] block_mask, int block_q, int block_k,
-        Tensor? cache_seqlens=None) -> (Tensor out, Tensor lse)
+        Tensor? cache_seqlens=None, Tensor? block_table=None) -> (Tensor out, Tensor lse)
     kernelforge::flash_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v,
         Tensor out, Tensor lse, float scale, int window_left, int window_right, Tensor? attn_mask,
         Tensor[] block_mask, int block_q, int block_k) -> (Tensor dq, Tensor dk, Tensor dv)
@@ -16,6 +16,8 @@ attn_mask arrives expanded to 4-D (B or 1, H or 1, Sq, Sk). block_mask is a Bloc
 tensors (kernelforge.block_mask.TENSOR_FIELDS order; empty for none) with its tile sizes.
 cache_seqlens (B,) int32 / int64: a KV cache's filled lengths, read on the device only (a
 decode step can be captured in a CUDA graph); inference only, so the backward has none.
+block_table (B, max_blocks) int32 / int64, with cache_seqlens only: a paged cache, k and v page
+pools (num_blocks, Hkv, page_size, D / Dv) (kernelforge/ops/attention_checks.py checks both).
 
 Every backend implements `flash_forward(q, k, v, scale, vis)` and (Triton, reference)
 `flash_backward(grad_out, q, k, v, out, lse, scale, vis)`, vis a
@@ -48,11 +50,11 @@ from kernelforge import backends, tuning
 from kernelforge.block_mask import TENSOR_FIELDS, BlockMask
 from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, as_float, check_floating, check_same
 from kernelforge.ops._opdef import define_op
+from kernelforge.ops.attention_checks import check_block_table, check_cache_seqlens, refuse_kv_cache_gradients
 from kernelforge.reference.attention import Visibility
 
 OP = "attention"
 NAME = "flash_attention"
-SEQLEN_DTYPES = (torch.int32, torch.int64)
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -75,6 +77,8 @@ def _why_not_cuda(q, k, v, vis=None, backward=False):
         return "the CUDA backend has a forward kernel only (the backward runs on Triton)"
     if vis is not None and (vis.attn_mask is not None or vis.block_mask is not None):
         return "the CUDA kernel takes causal and window masks only, not attn_mask or block_mask"
+    if vis is not None and vis.block_table is not None:  # before seqlens, which it always comes with
+        return "the CUDA kernel takes no block_table (a paged KV cache)"
     if vis is not None and vis.seqlens is not None:
         return "the CUDA kernel takes no cache_seqlens (KV cache lengths)"
     from kernelforge.cuda.attention import why_not
@@ -93,7 +97,8 @@ def _preference(q, k, v, vis=None, backward=False):
 
 
 def _choice_key(q, k, v, vis=None, backward=False):
-    masks = None if vis is None else (vis.attn_mask is not None, vis.block_mask is not None, vis.seqlens is not None)
+    masks = None if vis is None else (vis.attn_mask is not None, vis.block_mask is not None, vis.seqlens is not None,
+                                      vis.block_table is not None)
     return q.device.type, q.dtype, k.dtype, v.dtype, q.shape[-1], v.shape[-1], masks, backward
 
 
@@ -130,25 +135,29 @@ def _fail(what: str) -> None:
     raise ValueError(f"kernelforge.{NAME}: {what}")
 
 
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paged: bool = False) -> None:
+    """paged: k and v are page pools (num_blocks, Hkv, page_size, D), their dim 0 not the batch."""
     qs, ks, vs = q.shape, k.shape, v.shape
     dtype = q.dtype
     if (len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and dtype in FLOAT_DTYPES and k.dtype == dtype
             and v.dtype == dtype and k.device == q.device and v.device == q.device and ks[:3] == vs[:3]
-            and ks[0] == qs[0] and ks[3] == qs[3] and qs[3] != 0 and ks[1] != 0 and qs[1] % ks[1] == 0):
+            and (paged or ks[0] == qs[0]) and ks[3] == qs[3] and qs[3] != 0 and ks[1] != 0 and qs[1] % ks[1] == 0):
         return  # valid inputs in one pass (this runs twice an eager call); else find what is wrong, below
     names = ("q", "k", "v")
     for name, t in zip(names, (q, k, v)):
         check_floating(NAME, name, t, FLOAT_DTYPES)
         if t.dim() != 4:
-            _fail(f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+            layout = "(num_blocks, kv_heads, page_size, head_dim) with block_table" if paged and name != "q" else \
+                "(batch, heads, seq, head_dim)"
+            _fail(f"{name} must be 4-D {layout}, got shape {tuple(t.shape)}")
     check_same(NAME, "dtype", names, (q.dtype, k.dtype, v.dtype))
     check_same(NAME, "device", names, (q.device, k.device, v.device))
     B, H, Sq, D = q.shape
-    if k.shape[0] != B or v.shape[0] != B:
+    if not paged and (k.shape[0] != B or v.shape[0] != B):
         _fail(f"q, k and v must have the same batch size, got {B}, {k.shape[0]} and {v.shape[0]}")
     if k.shape[:3] != v.shape[:3]:
-        _fail(f"k and v must agree in (batch, heads, seq), got k {tuple(k.shape)} and v {tuple(v.shape)}")
+        dims = "(num_blocks, kv_heads, page_size) as page pools" if paged else "(batch, heads, seq)"
+        _fail(f"k and v must agree in {dims}, got k {tuple(k.shape)} and v {tuple(v.shape)}")
     if k.shape[3] != D:
         _fail(f"q and k must have the same head_dim, got {D} and {k.shape[3]}")
     if D == 0:
@@ -215,28 +224,6 @@ def _check_block_mask(block_mask, q: torch.Tensor, k: torch.Tensor) -> None:
                   f"(use larger tiles, or a mask shared across batch and heads)")
 
 
-def _check_cache_seqlens(cache_seqlens: Optional[torch.Tensor], q: torch.Tensor) -> None:
-    """Metadata only: the values stay on the device (a caller's length above Sk is clamped there)."""
-    if cache_seqlens is None:
-        return
-    if not isinstance(cache_seqlens, torch.Tensor):
-        raise TypeError(f"kernelforge.{NAME}: cache_seqlens must be a tensor of int32 or int64 lengths of shape "
-                        f"(batch,), got {type(cache_seqlens).__name__}")
-    if cache_seqlens.dtype not in SEQLEN_DTYPES:
-        raise TypeError(f"kernelforge.{NAME}: cache_seqlens must have dtype int32 or int64, got {cache_seqlens.dtype}")
-    if cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != q.shape[0]:
-        _fail(f"cache_seqlens must have shape (batch,) = ({q.shape[0]},), got {tuple(cache_seqlens.shape)}")
-    if cache_seqlens.device != q.device:
-        _fail(f"cache_seqlens must be on q's device {q.device}, got {cache_seqlens.device}")
-
-
-def _refuse_kv_cache_gradients() -> None:
-    raise NotImplementedError(
-        f"kernelforge.{NAME}: gradients with cache_seqlens are not computed (a KV cache is for inference, as in "
-        "flash_attn_with_kvcache): call it under torch.no_grad() or torch.inference_mode(), or pass q, k and v "
-        "detached")
-
-
 def _band(causal: bool, window) -> tuple[int, int]:
     """(window_left, window_right) of the schema: -1 unbounded; causal bounds the right at 0."""
     left, right = _check_window(window)
@@ -246,10 +233,10 @@ def _band(causal: bool, window) -> tuple[int, int]:
 
 
 def _visibility(q, k, window_left, window_right, attn_mask, block_mask, block_q, block_k,
-                cache_seqlens=None) -> Visibility:
+                cache_seqlens=None, block_table=None) -> Visibility:
     bm = BlockMask(q.shape[2], k.shape[2], block_q, block_k, *block_mask) if block_mask else None
     return Visibility(None if window_left < 0 else window_left, None if window_right < 0 else window_right,
-                      attn_mask, bm, cache_seqlens)
+                      attn_mask, bm, cache_seqlens, block_table)
 
 
 # ----------------------------------------------------------------------------- implementation
@@ -260,16 +247,25 @@ def _empty_outputs(q, v):
     return q.new_zeros(B, H, Sq, v.shape[-1]), lse
 
 
+def _check_cache(q, k, v, masked: bool, cache_seqlens, block_table) -> None:
+    """q, k, v and the KV-cache arguments (masked: an attn_mask or a block mask is given)."""
+    _check_qkv(q, k, v, paged=block_table is not None)
+    check_cache_seqlens(cache_seqlens, q)
+    check_block_table(block_table, q, k, cache_seqlens, masked)
+
+
 def _forward_vis(q, k, v, scale, window_left, window_right, attn_mask, block_mask, block_q, block_k,
-                 cache_seqlens=None) -> Visibility:
-    _check_qkv(q, k, v)
-    _check_cache_seqlens(cache_seqlens, q)
-    return _visibility(q, k, window_left, window_right, attn_mask, block_mask, block_q, block_k, cache_seqlens)
+                 cache_seqlens=None, block_table=None) -> Visibility:
+    _check_cache(q, k, v, attn_mask is not None or len(block_mask) > 0, cache_seqlens, block_table)
+    return _visibility(q, k, window_left, window_right, attn_mask, block_mask, block_q, block_k, cache_seqlens,
+                       block_table)
 
 
-def _no_work(q, k, v, backward: bool = False) -> bool:
-    return q.numel() == 0 or k.numel() == 0 or v.numel() == 0 if backward else (
-        q.numel() == 0 or k.shape[2] == 0 or v.shape[-1] == 0)
+def _no_work(q, k, v, backward: bool = False, block_table=None) -> bool:
+    if backward:
+        return q.numel() == 0 or k.numel() == 0 or v.numel() == 0
+    keys = k.shape[2] if block_table is None else block_table.shape[1] * k.shape[2]  # a paged cache's capacity
+    return q.numel() == 0 or keys == 0 or v.shape[-1] == 0
 
 
 def _no_kernel() -> backends.Choice:
@@ -278,10 +274,11 @@ def _no_kernel() -> backends.Choice:
                            "no work: the outputs are zeros and -inf, made by torch ops")
 
 
-def _forward(q, k, v, scale, window_left, window_right, attn_mask, block_mask, block_q, block_k, cache_seqlens=None):
+def _forward(q, k, v, scale, window_left, window_right, attn_mask, block_mask, block_q, block_k, cache_seqlens=None,
+             block_table=None):
     vis = _forward_vis(q, k, v, scale, window_left, window_right, attn_mask, block_mask, block_q, block_k,
-                       cache_seqlens)
-    if _no_work(q, k, v):
+                       cache_seqlens, block_table)
+    if _no_work(q, k, v, block_table=block_table):
         return _empty_outputs(q, v)
     return _choose(q, k, v, vis).implementation.launchers().flash_forward(q, k, v, scale, vis)
 
@@ -289,13 +286,12 @@ def _forward(q, k, v, scale, window_left, window_right, attn_mask, block_mask, b
 def _choose_forward(*args) -> backends.Choice:
     q, k, v = args[:3]
     vis = _forward_vis(*args)
-    return _no_kernel() if _no_work(q, k, v) else _choose(q, k, v, vis)
+    return _no_kernel() if _no_work(q, k, v, block_table=vis.block_table) else _choose(q, k, v, vis)
 
 
 def _fake_forward(q, k, v, scale, window_left, window_right, attn_mask, block_mask, block_q, block_k,
-                  cache_seqlens=None):
-    _check_qkv(q, k, v)
-    _check_cache_seqlens(cache_seqlens, q)
+                  cache_seqlens=None, block_table=None):
+    _check_cache(q, k, v, attn_mask is not None or len(block_mask) > 0, cache_seqlens, block_table)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, H, Sq, _ = q.shape
     return q.new_empty(B, H, Sq, v.shape[-1]), q.new_empty(B, H, Sq, dtype=acc)
@@ -339,8 +335,8 @@ flash_attention_backward_op = define_op(
 
 def _save(ctx, inputs, output):
     q, k, v, scale, window_left, window_right, attn_mask, block_mask, block_q, block_k, *rest = inputs
-    if rest and rest[0] is not None:
-        _refuse_kv_cache_gradients()
+    if any(t is not None for t in rest):  # cache_seqlens, block_table
+        refuse_kv_cache_gradients()
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.mark_non_differentiable(lse)  # documented: lse carries no gradient
@@ -355,13 +351,14 @@ def _gradient(ctx, grad_out, grad_lse):
     dq, dk, dv = flash_attention_backward_op(grad_out.contiguous(), q, k, v, out, lse, *ctx.args)
     no_grad_block_mask = [None] * len(ctx.args[4])  # the schema's list input wants a list back
     # one gradient an input the call gave (a call may leave cache_seqlens to its default)
-    return (dq, dk, dv, None, None, None, None, no_grad_block_mask, None, None, None)[:len(ctx.needs_input_grad)]
+    return (dq, dk, dv, None, None, None, None, no_grad_block_mask, None, None, None, None)[
+        :len(ctx.needs_input_grad)]
 
 
 flash_attention_op = define_op(
     "kernelforge::flash_attention(Tensor q, Tensor k, Tensor v, float scale, int window_left, int window_right, "
-    "Tensor? attn_mask, Tensor[] block_mask, int block_q, int block_k, Tensor? cache_seqlens=None) "
-    "-> (Tensor, Tensor)",
+    "Tensor? attn_mask, Tensor[] block_mask, int block_q, int block_k, Tensor? cache_seqlens=None, "
+    "Tensor? block_table=None) -> (Tensor, Tensor)",
     impl=_forward, fake=_fake_forward, choose=_choose_forward, setup_context=_save, backward=_gradient)
 
 
@@ -370,7 +367,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                     scale: Optional[float] = None, attn_mask: Optional[torch.Tensor] = None,
                     window: Optional[tuple[Optional[int], Optional[int]]] = None,
                     block_mask: Optional[BlockMask] = None, return_lse: bool = False,
-                    cache_seqlens: Optional[torch.Tensor] = None):
+                    cache_seqlens: Optional[torch.Tensor] = None, block_table: Optional[torch.Tensor] = None):
     """Scaled dot-product attention without the Sq x Sk score matrix (FlashAttention-2).
 
     q: (batch, heads, Sq, head_dim); k: (batch, kv_heads, Sk, head_dim); v: (batch, kv_heads,
@@ -394,24 +391,38 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         after new lengths are written into the same tensor. A length above Sk is the caller's
         error (it is clamped to Sk on the device), a length of 0 gives zeros. Inference only:
         raises if a gradient would be needed (q, k or v requiring grad with grad mode on).
+    block_table: (batch, max_blocks_per_seq) int32 (or int64) on q's device, with cache_seqlens:
+        a paged KV cache (flash_attn_with_kvcache's block_table, vLLM's paged attention). k and v
+        are then page pools (num_blocks, kv_heads, page_size, head_dim[_v]), and key j of batch
+        b is slot j % page_size of page block_table[b, j // page_size]; the capacity is
+        max_blocks_per_seq * page_size, and cache_seqlens, causal and window mean what they mean
+        for a contiguous cache of that capacity. Any strides with a unit last dim: a
+        FlashAttention pool (num_blocks, page_size, kv_heads, D) passes as .transpose(1, 2)
+        without a copy. Entries for pages past a sequence's length are never used (pad them
+        with anything); entries of filled pages must lie in [0, num_blocks) (not checked: that
+        would read the table on the host). Inference only; attn_mask and block_mask are
+        refused. Triton decodes a few query rows from the pages in place; other calls (the
+        reference, a long chunk of queries) first gather the pages into a contiguous cache (a
+        copy of max_blocks_per_seq pages per sequence).
 
     A row with no visible key (every key masked) gives zeros, not NaN, and its gradient is
     zero. The backward is deterministic (no atomics) and keeps O(seq) extra memory.
     Returns out (batch, heads, Sq, head_dim_v) in q's dtype [, lse].
     """
-    _check_qkv(q, k, v)
+    # the KV-cache arguments first: a paged cache's k is a pool, which the masks' checks would misread
+    _check_cache(q, k, v, attn_mask is not None or block_mask is not None, cache_seqlens, block_table)
+    if (cache_seqlens is not None or block_table is not None) and torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad):
+        refuse_kv_cache_gradients()
     scale = float(q.shape[-1] ** -0.5) if scale is None else as_float(NAME, "scale", scale)
     _check_block_mask(block_mask, q, k)
     left, right = _band(causal, window)
     attn_mask = _check_mask(attn_mask, q, k)
-    if cache_seqlens is not None:
-        _check_cache_seqlens(cache_seqlens, q)
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            _refuse_kv_cache_gradients()
     if block_mask is None:
         tensors, block_q, block_k = [], 0, 0
     else:
         tensors = [getattr(block_mask, f) for f in TENSOR_FIELDS]
         block_q, block_k = block_mask.block_q, block_mask.block_k
-    out, lse = flash_attention_op(q, k, v, scale, left, right, attn_mask, tensors, block_q, block_k, cache_seqlens)
+    out, lse = flash_attention_op(q, k, v, scale, left, right, attn_mask, tensors, block_q, block_k, cache_seqlens,
+                                  block_table)
     return (out, lse) if return_lse else out

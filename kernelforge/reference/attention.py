@@ -11,6 +11,11 @@ and visibility is the AND of:
   seqlens       a KV cache's filled lengths L (B,): batch b sees keys j < L[b] only, and causal /
                 window align to L[b] instead of Sk (off = L[b] - Sq); read on the device,
                 clamped to [0, Sk]
+  block_table   a paged cache (with seqlens): k, v are page pools (num_blocks, Hkv, page_size, D)
+                and batch b's key j is slot j % page_size of page block_table[b, j // page_size];
+                the reference gathers the pages into a contiguous (B, Hkv, capacity, D) cache
+                first (`unpage`: a copy of every page the table names, capacity = its columns *
+                page_size) and takes the seqlens path
 A row with no visible key gives zeros (not NaN) and log-sum-exp -inf; its gradient is zero.
 NaN and infinities follow torch's softmax: a NaN among a row's visible scores (a NaN in q, in a
 visible key's k, or in a float mask) or an infinite score (inf - inf) gives that row NaN out and
@@ -26,6 +31,7 @@ sum), so the scores held at any time are Sq x chunk per (batch, head), never Sq 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -42,26 +48,52 @@ class Visibility:
     """Which keys each query sees, in the form every backend takes: a band of key offsets
     relative to the query's aligned position i + off (left and right reach, None = unbounded),
     plus the optional masks and a KV cache's per-batch filled lengths (`seqlens`, (B,) int32 or
-    int64 on the inputs' device: off = seqlens[b] - Sq and keys from seqlens[b] on are hidden)."""
+    int64 on the inputs' device: off = seqlens[b] - Sq and keys from seqlens[b] on are hidden),
+    and a paged cache's page table (`block_table`, (B, max_blocks) int32 or int64: k and v are
+    then page pools (num_blocks, Hkv, page_size, D); never without seqlens)."""
 
     left: Optional[int]
     right: Optional[int]
     attn_mask: Optional[torch.Tensor] = None
     block_mask: Optional[object] = None
     seqlens: Optional[torch.Tensor] = None
+    block_table: Optional[torch.Tensor] = None
 
     @staticmethod
-    def of(causal: bool, window, attn_mask=None, block_mask=None, seqlens=None) -> "Visibility":
+    def of(causal: bool, window, attn_mask=None, block_mask=None, seqlens=None, block_table=None) -> "Visibility":
         left = right = None
         if window is not None:
             left, right = (None if w is None or w < 0 else int(w) for w in window)
         if causal:
             right = 0 if right is None else min(right, 0)
-        return Visibility(left, right, attn_mask, block_mask, seqlens)
+        return Visibility(left, right, attn_mask, block_mask, seqlens, block_table)
 
     @property
     def has_band(self) -> bool:
         return self.left is not None or self.right is not None
+
+
+def gather_pages(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """A page pool (num_blocks, Hkv, page_size, X), any strides, as the contiguous cache
+    (B, Hkv, max_blocks * page_size, X) its block table (B, max_blocks) names: a copy, made with
+    torch index ops on the device (no host sync). Entries are clamped into [0, num_blocks): a
+    table's unused entries (pages past a sequence's length, often padded with -1 or garbage) may
+    hold anything, and the keys they bring in lie past the filled length, hidden. An entry of a
+    filled page out of range is the caller's error (its keys come from a clamped page)."""
+    num_blocks, kv_heads, page, x = pool.shape
+    B, max_blocks = block_table.shape
+    index = block_table.clamp(0, max(num_blocks - 1, 0)).long()
+    pages = pool[index]  # (B, max_blocks, Hkv, page_size, X)
+    return pages.permute(0, 2, 1, 3, 4).reshape(B, kv_heads, max_blocks * page, x)
+
+
+def unpage(k: torch.Tensor, v: torch.Tensor, vis: Visibility):
+    """(k, v, vis) of a paged call as the contiguous cache of the same lengths (gather_pages:
+    a copy); a call without a block table as it is."""
+    if vis.block_table is None:
+        return k, v, vis
+    table = vis.block_table
+    return gather_pages(k, table), gather_pages(v, table), dataclasses.replace(vis, block_table=None)
 
 
 def _grouped(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -128,7 +160,9 @@ def _masked_scores(s: torch.Tensor, hidden: Optional[torch.Tensor], additive: Op
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, vis: Visibility,
                       chunk_size: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out in q's dtype (B, H, Sq, D), lse float32 (float64 for float64) (B, H, Sq))."""
+    """(out in q's dtype (B, H, Sq, D), lse float32 (float64 for float64) (B, H, Sq)).
+    A paged cache (vis.block_table) is gathered into a contiguous one first (unpage: a copy)."""
+    k, v, vis = unpage(k, v, vis)
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     acc = _acc_dtype(q.dtype)

@@ -10,6 +10,11 @@ Masks are read through their strides (a broadcast mask is never materialized). A
 filled lengths (vis.seqlens) are read by the decode and forward kernels on the device (no host
 read: a decode step can be captured in a CUDA graph); the backward does not take them. Launches
 run on the current CUDA stream of q's device, and on CPU tensors under TRITON_INTERPRET=1.
+A paged cache (vis.block_table; k and v page pools) is decoded from its pages in place where the
+decode kernel takes the call (attention_decode.takes: up to MAX_ROWS query rows a kv head); any
+other paged call (more query rows) gathers the pages into a contiguous cache first
+(kernelforge.reference.attention.unpage: a copy of every page the table names) and runs as a
+contiguous cache of the table's capacity.
 
 `traceable(q, k, v, vis, backward)` says whether a call launches only plain @triton.jit kernels
 through kernelforge.triton._launch.launch (what torch.compile can trace into), decided from
@@ -23,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernelforge.reference.attention import Visibility
+from kernelforge.reference.attention import Visibility, unpage
 from kernelforge.triton import attention_decode, interpreter_enabled
 from kernelforge.triton._launch import cdiv, device_capability, gluon_module, launch, next_power_of_2, on_device
 from kernelforge.triton.attention_kernels import (backward_delta_kernel, flash_backward_dkdv_kernel,
@@ -196,9 +201,10 @@ def traceable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility
 
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, vis: Visibility):
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
-    if attention_decode.takes(q, k, vis):  # a few queries, a long cache: split the keys
+    if attention_decode.takes(q, k, vis):  # a few queries, a long (or paged) cache: split the keys
         return attention_decode.decode_forward(q, k, v, scale, vis, _mask_args(q, vis), _band(vis), _precision(q),
                                                _pow2, LOG2E)
+    k, v, vis = unpage(k, v, vis)  # a paged call the decode kernel does not take: a contiguous copy
     gluon = _gluon_forward(q, k, v, vis)  # a sliding window or a BlockMask on Hopper (attention_gluon.py)
     if gluon is not None and gluon.tma_ready(q, k, v):
         with on_device(q):

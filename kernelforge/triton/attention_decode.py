@@ -15,6 +15,28 @@ A KV cache's filled lengths (vis.seqlens, (B,) on the device) are read by the sp
 range past batch b's length runs no tile, and the band aligns to that length. Nothing about
 them reaches the host, so a decode step can be captured in a CUDA graph and replayed with new
 lengths written into the same tensor; the split count follows the cache's capacity Sk.
+
+A paged cache (vis.block_table (B, max_blocks), with seqlens): k and v are page pools
+(num_blocks, Hkv, page_size, D), read through their strides (FlashAttention's (num_blocks,
+page_size, Hkv, D) pool as a .transpose(1, 2) view, no copy), and the same kernel, PAGED set,
+walks batch b's logical keys 0 .. capacity = max_blocks * page_size as the contiguous cache does:
+for a key tile it looks up the pages in the block table and hands forward_tile base pointers
+shifted so that its `base + key * stride` lands on slot key % page_size of page
+block_table[b, key // page_size] (page_bases). Tiles start at multiples of BLOCK_N (so do the
+key ranges), so where page_size is a multiple of BLOCK_N a tile never straddles pages: one table
+entry a tile and scalar bases (WHOLE_PAGES). Any other page size (1, 7, 16 under BLOCK_N = 64)
+takes the entry of each key row (BLOCK_N small loads from one table row, cached) and a base per
+row: no restriction on the page size, one kernel either way. Only the entries of tiles below the
+filled length are read (a padded table's unused entries may hold anything), and no key past it
+is loaded. Bytes: the filled keys' K and V rows, Hkv * (D + Dv) elements a key over the sum_b
+L[b] filled keys (each key range's last tile rounded up to BLOCK_N rows, the rows past the length
+masked off, not loaded), the table's entries of the filled pages (one a tile, or one a key row:
+4 or 8 bytes each), q, and the partials (splits * (Dv + 1) floats a row) written and merged:
+memory bound as the contiguous cache is, the pages adding no bytes of K or V. FLOPs: 2 * H * Sq *
+(D + Dv) a filled key (the rows padded to 16 for the tensor cores compute too, unused).
+Capacity, not the lengths, sets the split count (what a CUDA graph's replays share).
+The decode kernel takes every paged call of up to MAX_ROWS rows a kv head, however short the
+cache (a contiguous copy would cost more than the split kernel's short walk).
 """
 from __future__ import annotations
 
@@ -49,22 +71,51 @@ NUM_STAGES = 3
 def takes(q: torch.Tensor, k: torch.Tensor, vis: Visibility) -> bool:
     """Whether flash_forward should decode these inputs by splitting the keys."""
     group = q.shape[1] // k.shape[1]
-    return vis.block_mask is None and q.shape[2] * group <= MAX_ROWS and k.shape[2] >= MIN_KEYS
+    rows_fit = vis.block_mask is None and q.shape[2] * group <= MAX_ROWS
+    return rows_fit and (vis.block_table is not None or k.shape[2] >= MIN_KEYS)
+
+
+@triton.jit
+def page_bases(K, V, BLOCK_TABLE, b, hk, n0, offs_n, stop, sbtb, sbtn, page_size, skp, skh, skn, svp, svh, svn,
+               WHOLE_PAGES: tl.constexpr):
+    """(K base, V base) of the key tile n0 + offs_n of batch b, kv head hk, in page pools: bases such
+    that base + key * skn (svn) addresses slot key % page_size of page BLOCK_TABLE[b, key // page_size]
+    (forward_tile adds key * stride to what it is given). WHOLE_PAGES: the tile lies in one page,
+    scalar bases from one entry; else one entry and one base a key row ([BLOCK_N, 1] pointers),
+    the rows from `stop` on (never loaded) reading no entry."""
+    row = BLOCK_TABLE + b.to(tl.int64) * sbtb
+    if WHOLE_PAGES:
+        blk = n0 // page_size
+        page = tl.load(row + blk * sbtn).to(tl.int64)
+        first = (blk * page_size).to(tl.int64)  # the page's slot 0 is this logical key
+        k = K + (page * skp + hk.to(tl.int64) * skh - first * skn)
+        v = V + (page * svp + hk.to(tl.int64) * svh - first * svn)
+    else:
+        cols = n0 + offs_n
+        blk = cols // page_size
+        page = tl.load(row + blk * sbtn, mask=cols < stop, other=0).to(tl.int64)
+        first = (blk * page_size).to(tl.int64)
+        k = K + (page * skp + hk.to(tl.int64) * skh - first * skn)[:, None]
+        v = V + (page * svp + hk.to(tl.int64) * svh - first * svn)[:, None]
+    return k, v
 
 
 @triton.jit
 def decode_split_kernel(
-    Q, K, V, O_PART, LSE_PART, MASK, SEQLENS,
+    Q, K, V, O_PART, LSE_PART, MASK, SEQLENS, BLOCK_TABLE,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
-    smb, smh, smm, smn,
-    H, HKV, GROUP, Sq, Sk, off, LEFT, RIGHT, qk_scale, keys_per_split,
+    smb, smh, smm, smn, sbtb, sbtn,
+    H, HKV, GROUP, Sq, Sk, off, LEFT, RIGHT, qk_scale, keys_per_split, page_size,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    MASK_KIND: tl.constexpr, PRECISION: tl.constexpr, HAS_SEQLENS: tl.constexpr,
+    MASK_KIND: tl.constexpr, PRECISION: tl.constexpr, HAS_SEQLENS: tl.constexpr, PAGED: tl.constexpr,
+    WHOLE_PAGES: tl.constexpr,
 ):
     """Partial attention of every (q head of the group, query) row over one key range:
     normalized out (float32) and lse in log2 units (-inf when the range shows the row nothing).
-    HAS_SEQLENS: batch b's keys end at SEQLENS[b] (clamped to [0, Sk]), its band aligns there."""
+    HAS_SEQLENS: batch b's keys end at SEQLENS[b] (clamped to [0, Sk]), its band aligns there.
+    PAGED: K and V are page pools (skb / svb their page strides), Sk the table's capacity, and each
+    tile's keys are found through BLOCK_TABLE (page_bases; the module docstring)."""
     # Inductor passes a Python float as fp64 (eager Triton as fp32): float32 math either way
     qk_scale = tl.cast(qk_scale, tl.float32)
     split = tl.program_id(0)
@@ -94,8 +145,13 @@ def decode_split_kernel(
     start = split * keys_per_split
     stop = tl.minimum(start + keys_per_split, Sk)
     for n0 in range(start, stop, BLOCK_N):  # every tile masked: the range end, the band, the mask
+        if PAGED:
+            k_tile, v_tile = page_bases(K, V, BLOCK_TABLE, b, hk, n0, offs_n, stop, sbtb, sbtn, page_size,
+                                        skb, skh, skn, svb, svh, svn, WHOLE_PAGES)
+        else:
+            k_tile, v_tile = k_base, v_base
         acc, m_i, l_i = forward_tile(
-            acc, m_i, l_i, q, k_base, v_base, skn, svn, n0, i, offs_n, offs_d, offs_dv, Sq, stop, off, LEFT, RIGHT,
+            acc, m_i, l_i, q, k_tile, v_tile, skn, svn, n0, i, offs_n, offs_d, offs_dv, Sq, stop, off, LEFT, RIGHT,
             qk_scale, mask_base, smm, smn, MASK, -1, True, HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
             False, 16, 16, PRECISION)
     out, lse2 = finish_rows(acc, m_i, l_i)
@@ -134,10 +190,15 @@ def decode_merge_kernel(O_PART, LSE_PART, O, LSE, rows, splits, sob, soh, som, H
 
 
 def decode_forward(q, k, v, scale: float, vis: Visibility, mask_args, band, precision: str, pow2, log2e: float):
-    """(out, lse) of q (B, H, Sq, D) over the cache k, v (B, Hkv, Sk, D); the arguments after
-    vis are flash_forward's already-derived launch arguments."""
+    """(out, lse) of q (B, H, Sq, D) over the cache k, v (B, Hkv, Sk, D), or over the page pools k, v
+    (num_blocks, Hkv, page_size, D) of vis.block_table; the arguments after vis are flash_forward's
+    already-derived launch arguments."""
     B, H, Sq, D = q.shape
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    table = vis.block_table
+    page_size = Sk
+    if table is not None:
+        Sk = table.shape[1] * page_size  # the capacity: logical keys 0 .. Sk - 1 of each sequence
     group = H // Hkv
     mask, mstr, mask_kind = mask_args
     left, right, has_left, has_right = band
@@ -158,11 +219,14 @@ def decode_forward(q, k, v, scale: float, vis: Visibility, mask_args, band, prec
     with on_device(q):
         launch(
             decode_split_kernel, (splits, programs),
-            q, k, v, o_part, lse_part, mask, q if vis.seqlens is None else vis.seqlens,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *mstr,
+            q, k, v, o_part, lse_part, mask, q if vis.seqlens is None else vis.seqlens, q if table is None else table,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *mstr, *((0, 0) if table is None else table.stride()),
             H, Hkv, group, Sq, Sk, Sk - Sq, left, right, scale * log2e, keys_per_split,
+            page_size if table is not None else 1,  # 1: unused, a constant (no kernel variant a cache length)
             HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv), ROWS=pow2(group * Sq),
             BLOCK_N=BLOCK_N, HAS_LEFT=has_left, HAS_RIGHT=has_right, MASK_KIND=mask_kind, PRECISION=precision,
-            HAS_SEQLENS=vis.seqlens is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+            HAS_SEQLENS=vis.seqlens is not None, PAGED=table is not None,
+            WHOLE_PAGES=table is not None and int(page_size) % BLOCK_N == 0,
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES)
         launch(decode_merge_kernel, (rows,), *merge_args, **merge_meta)
     return out, lse

@@ -85,6 +85,8 @@ def _cases():
     cases["attention-mask-keys-Shard(3)-redistributed"] = attention_case(S(0), S(0), mask=((4, 1, 6, 6), S(3)))
     cases["attention-lse-Shard(1)"] = _attention_lse
     cases["attention-cache_seqlens-Shard(0)"] = _attention_cache
+    cases["attention-paged-batch-Shard(0)"] = lambda mesh: _attention_paged(mesh, 0)
+    cases["attention-paged-heads-Shard(1)"] = lambda mesh: _attention_paged(mesh, 1)
 
     # ------------------------------------------------------------------ cross-entropy
     def ce_case(logits_shape, p, reduction, out_p, ignored=True):
@@ -158,6 +160,22 @@ def _attention_cache(mesh):
           [torch.randn(4, 4, 1, 8, dtype=torch.float64), torch.randn(4, 2, 10, 8, dtype=torch.float64),
            torch.randn(4, 2, 10, 8, dtype=torch.float64), torch.tensor([3, 10, 1, 7])],
           [Shard(0)] * 4, [Shard(0)], grad=False)
+
+
+def _attention_paged(mesh, dim):
+    """A decode step on a paged cache: over the batch, the table and the lengths Shard(0) with q and
+    the page pools Replicate (a rank's rows name pages anywhere); over the heads, q and the pools
+    Shard(1), the table and the lengths Replicate."""
+    import kernelforge as kf
+    from torch.distributed.tensor import Replicate, Shard
+
+    R = Replicate()
+    table = torch.arange(12, dtype=torch.int32).flip(0).view(4, 3)  # pages 11..0, in reverse: not in order
+    pool = lambda: torch.randn(12, 2, 4, 8, dtype=torch.float64)  # noqa: E731 (num_blocks, Hkv, page, D)
+    placements = [Shard(0), R, R, Shard(0), Shard(0)] if dim == 0 else [Shard(1), Shard(1), Shard(1), R, R]
+    check(mesh, lambda q, k, v, n, t: kf.flash_attention(q, k, v, causal=True, cache_seqlens=n, block_table=t),
+          [torch.randn(4, 4, 1, 8, dtype=torch.float64), pool(), pool(), torch.tensor([3, 12, 0, 7]), table],
+          placements, [Shard(dim)], grad=False)
 
 
 @pytest.fixture(scope="module")
