@@ -20,6 +20,7 @@ from kernelforge.backends import BackendUnsupportedError, explain, prefer_backen
 from kernelforge.block_mask import BlockMask, dilated_block_mask, local_global_block_mask, sliding_window_block_mask
 from kernelforge.ops.activations import bias_gelu, bias_silu, gelu, relu, silu
 from kernelforge.ops.attention import flash_attention
+from kernelforge.ops.attention_varlen import flash_attention_varlen
 from kernelforge.ops.convrnn import convrnn, convrnn_forward
 from kernelforge.ops.cross_entropy import cross_entropy
 from kernelforge.ops.gated_activations import geglu, swiglu
@@ -38,7 +39,7 @@ __version__ = "0.1.0"
 
 __all__ = ["BackendUnsupportedError", "BlockMask", "add_layer_norm", "add_rms_norm", "bias_gelu", "bias_silu",
            "convrnn", "convrnn_forward", "cpu_fused_attention", "cross_entropy", "dilated_block_mask", "explain",
-           "flash_attention", "fused_linear_cross_entropy", "gated_mlp", "gather_scatter", "geglu", "gelu", "gemm",
-           "gpu_kernel", "layer_norm", "local_global_block_mask", "log_softmax", "nn", "optimized_cpu_attention",
-           "patch", "precision", "prefer_backend", "relu", "rms_norm", "rope", "silu", "sliding_window_block_mask",
-           "softmax", "swiglu", "use_backend"]
+           "flash_attention", "flash_attention_varlen", "fused_linear_cross_entropy", "gated_mlp", "gather_scatter",
+           "geglu", "gelu", "gemm", "gpu_kernel", "layer_norm", "local_global_block_mask", "log_softmax", "nn",
+           "optimized_cpu_attention", "patch", "precision", "prefer_backend", "relu", "rms_norm", "rope", "silu",
+           "sliding_window_block_mask", "softmax", "swiglu", "use_backend"]
