@@ -1,7 +1,8 @@
 """Attention suites: full attention against FlashAttention-2 and cuDNN (through SDPA) and
 FlexAttention; a causal sliding window against FlexAttention on the same mask; block-sparse
 patterns (a kernelforge BlockMask and Flex's, built from one mask function); decoding a few
-query tokens against a KV cache.
+query tokens against a KV cache, contiguous or paged; the shapes of models' attention (head
+dim 64 at 197-2048 tokens, 128 at 4096).
 
 `kernelforge.bench.suites` adds `attention_suites()` to its SUITES. Baselines that cannot
 take a case (SDPA's CUDA backends on the CPU, FlexAttention's backward on the CPU, the math
@@ -229,8 +230,82 @@ def _decode_cost(shape, dtype: torch.dtype, direction: str) -> Cost:
     return Cost((2 * B * H_kv * S_k + 2 * B * H * S_q) * D * dtype.itemsize, 4 * B * H * S_q * S_k * D)
 
 
+def _paged_inputs(shape, dtype: torch.dtype, device: torch.device) -> tuple:
+    """(B, H, H_kv, Sk, D, page): one query token a sequence against a cache of Sk keys per
+    sequence, as a paged pool in shuffled pages (page_size `page`) with its block table and
+    lengths, and the same keys as a contiguous cache (B, H_kv, Sk, D): q, k_pool, v_pool, table,
+    lengths, k, v. Every sequence full (the contiguous baselines need no mask)."""
+    B, H, H_kv, S_k, D, page = shape
+    q, k, v = _qkv(B, H, H_kv, 1, S_k, D, dtype, device)
+    pages = S_k // page
+    table = torch.randperm(B * pages, device=device).reshape(B, pages).to(torch.int32)
+    pool_k = torch.empty(B * pages, H_kv, page, D, device=device, dtype=dtype)
+    pool_v = torch.empty_like(pool_k)
+    # key j of sequence b is slot j % page of page table[b, j // page]
+    pool_k[table.long().flatten()] = k.reshape(B, H_kv, pages, page, D).transpose(1, 2).reshape(-1, H_kv, page, D)
+    pool_v[table.long().flatten()] = v.reshape(B, H_kv, pages, page, D).transpose(1, 2).reshape(-1, H_kv, page, D)
+    lengths = torch.full((B,), S_k, device=device, dtype=torch.int32)
+    return q, pool_k, pool_v, table, lengths, k, v
+
+
+def _paged_cost(shape, dtype: torch.dtype, direction: str) -> Cost:
+    B, H, H_kv, S_k, D, page = shape
+    return _decode_cost((B, H, H_kv, 1, S_k, D), dtype, direction)
+
+
+def _paged_sdpa(name: str, backend: SDPBackend | None):
+    """SDPA over the same keys kept contiguous (what an engine without paging reads)."""
+    sdpa = _sdpa(backend, name, needs_cuda=backend is not None)
+
+    def run(q, pool_k, pool_v, table, lengths, k, v):
+        return sdpa(q, k, v)
+
+    return run
+
+
 def attention_suites() -> dict:
     return {
+        # (B, H, S, D, causal) of models' attention: ViT-B/16 at batch 64 (197 tokens), BERT-base
+        # (32 x 512), a GPT-2-sized causal LM (8 x 1024), Llama-3.2-1B (4 x 2048, head dim 64),
+        # and head dim 128 at 4 x 4096 (Llama-3-8B's)
+        "attention_models": Suite(
+            op="attention_models",
+            registry_op="attention",
+            shapes=[(64, 12, 197, 64, False), (32, 12, 512, 64, False), (8, 12, 1024, 64, True),
+                    (4, 32, 2048, 64, True), (4, 32, 4096, 128, True)],
+            quick_shapes=[(2, 2, 37, 32, False), (1, 2, 64, 32, True)],
+            make_inputs=_self_attention_inputs,
+            cost=lambda shape, dtype, direction: _attention_cost(
+                shape[2] ** 2 / (2 if shape[4] else 1), *shape[:4], dtype, direction),
+            kernelforge=lambda q, k, v, causal: kf.flash_attention(q, k, v, causal=causal),
+            baselines=_full_baselines,
+            support_args=lambda inputs, direction: _support_args(
+                inputs, direction, Visibility.of(inputs[3], None)),
+            label=lambda shape: "x".join(map(str, shape[:4])) + (" causal" if shape[4] else ""),
+        ),
+        # (B, H, H_kv, Sk, D, page): one token a sequence against a paged KV cache (block table),
+        # beside kernelforge and SDPA on the same keys kept contiguous
+        "attention_paged": Suite(
+            op="attention_paged",
+            registry_op="attention",
+            shapes=[(B, 32, 8, S_k, 128, page) for B in (1, 8, 32, 64) for S_k in (4096, 16384) for page in (16, 64)],
+            quick_shapes=[(2, 4, 2, 128, 32, 16), (1, 4, 4, 96, 32, 32)],
+            make_inputs=_paged_inputs,
+            cost=_paged_cost,
+            kernelforge=lambda q, pk, pv, table, lengths, k, v: kf.flash_attention(
+                q, pk, pv, cache_seqlens=lengths, block_table=table),
+            variants=lambda: {
+                "kernelforge contiguous": lambda q, pk, pv, table, lengths, k, v: kf.flash_attention(
+                    q, k, v, cache_seqlens=lengths),
+                "kernelforge (CUDA graph)": _in_cuda_graph(lambda q, pk, pv, table, lengths, k, v: kf.flash_attention(
+                    q, pk, pv, cache_seqlens=lengths, block_table=table))},
+            baselines=lambda: {"sdpa contiguous": _paged_sdpa("default", None),
+                               "sdpa flash contiguous": _paged_sdpa("flash", SDPBackend.FLASH_ATTENTION)},
+            directions=("fwd",),
+            support_args=lambda inputs, direction: _support_args(
+                inputs, direction, Visibility(None, None, seqlens=inputs[4], block_table=inputs[3])),
+            label=lambda shape: "B{} H{}/{} Sk{} D{} page{}".format(*shape),
+        ),
         # (B, H, S, D, causal): the target shapes: B*S = 16384 tokens, 16 heads, head dims 128 and 64
         "attention": Suite(
             op="attention",

@@ -1,4 +1,5 @@
-"""GEMM suites: the plain product against cuBLAS (torch.matmul) and torch.compile, and the
+"""GEMM suites: the plain product against cuBLAS (torch.matmul) and torch.compile (also at the
+projection shapes of ViT-B, BERT-base and Llama-3.2-1B steps: gemm_models), and the
 fused bias + GELU(tanh) epilogue against eager linear + gelu and its torch.compile, at
 the target squares and the LLM projection shapes (M tokens against N, K of 4096 / 14336);
 tf32 (float32 operands) against cuBLAS's tf32; fp8 (e4m3 operands, per-row or per-tensor
@@ -21,6 +22,12 @@ from kernelforge.reference.gemm import fp8_scale, quantize_fp8
 SQUARES = [(n, n, n) for n in (1024, 2048, 4096, 8192)]
 LLM = [(m, n, k) for m in (16, 128, 4096) for n, k in ((4096, 4096), (14336, 4096), (4096, 14336))]
 QUICK = [(33, 17, 65), (64, 48, 40)]
+# The projections of whole models' steps, (tokens, out features, in features): ViT-B/16 at
+# batch 64 (64 x 197 tokens: qkv, proj, fc1, fc2), BERT-base at 32 x 512 (fc1, fc2) and
+# Llama-3.2-1B at 4 x 2048 (q / k / v fused, o, gate / up fused, down)
+MODELS = [(12608, 2304, 768), (12608, 768, 768), (12608, 3072, 768), (12608, 768, 3072),
+          (16384, 3072, 768), (16384, 768, 3072),
+          (8192, 3072, 2048), (8192, 2048, 2048), (8192, 16384, 2048), (8192, 2048, 8192)]
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -129,6 +136,17 @@ def gemm_suites() -> dict:
         "gemm": Suite(
             op="gemm",
             shapes=SQUARES + LLM,
+            quick_shapes=QUICK,
+            make_inputs=_inputs(bias=False),
+            cost=_cost(bias=False),
+            kernelforge=lambda a, w: kf.gemm(a, w.t()),
+            baselines=_eager_and_compiled(lambda a, w: torch.matmul(a, w.t())),
+            support_args=_support_args,
+        ),
+        "gemm_models": Suite(
+            op="gemm_models",
+            registry_op="gemm",
+            shapes=MODELS,
             quick_shapes=QUICK,
             make_inputs=_inputs(bias=False),
             cost=_cost(bias=False),
