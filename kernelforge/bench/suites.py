@@ -260,6 +260,11 @@ def _linear_cross_entropy_suite() -> Suite:
 # Norms and activations: the large target shapes, then the latency shapes.
 ROW_OP_SHAPES = [(16384, 4096), (8192, 16384), (4096, 65536), (1, 4096), (8, 4096), (32, 4096)]
 QUICK_SHAPES = [(256, 4096), (8, 4096)]
+# Every row length a norm meets, 256 to 65536, powers of two and not (Llama's 5120 / 11008 / 13824,
+# odd and prime lengths), at 2^25 elements a case (64 MiB of bf16: past L2, not host-bound)
+NORM_ROW_LENGTHS = [256, 257, 512, 768, 1000, 1024, 2048, 3000, 4096, 5120, 8191, 8192, 11008, 13824, 16384,
+                    32768, 65521, 65536]
+NORM_ROW_SHAPES = [((1 << 25) // n, n) for n in NORM_ROW_LENGTHS]
 def _gated_mlp_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> tuple:
     """x (tokens, hidden), gate / up weights (intermediate, hidden), the down weight (hidden, intermediate)."""
     tokens, hidden, inner = shape
@@ -297,23 +302,23 @@ LIGER = {"liger": "liger_kernel"}
 
 
 def _row_op_suite(op: str, registry_op: str, make_inputs, cost, ours: Fn, eager: Fn,
-                  liger: Optional[Callable[[], Fn]] = None, **extra) -> Suite:
-    """A norm or activation on the row-op shape grid against eager, torch.compile and, when
-    `liger` builds its version, Liger-Kernel."""
-    return Suite(op=op, registry_op=registry_op, shapes=ROW_OP_SHAPES, quick_shapes=QUICK_SHAPES,
+                  liger: Optional[Callable[[], Fn]] = None, shapes=ROW_OP_SHAPES, **extra) -> Suite:
+    """A norm or activation on the row-op shape grid (or `shapes`) against eager, torch.compile
+    and, when `liger` builds its version, Liger-Kernel."""
+    return Suite(op=op, registry_op=registry_op, shapes=shapes, quick_shapes=QUICK_SHAPES,
                  make_inputs=make_inputs, cost=cost, kernelforge=ours, baselines=_baselines(eager, liger),
                  peers=LIGER if liger is not None else {}, **extra)
 
 
-def _norm_suite(op: str, rms: bool, residual: bool, ours: Fn, eager: Fn, liger=None) -> Suite:
+def _norm_suite(op: str, rms: bool, residual: bool, ours: Fn, eager: Fn, liger=None, shapes=ROW_OP_SHAPES) -> Suite:
     """layer / RMS norm, with weight (and bias for layer norm); the add_ forms also take and
     return the residual."""
     bias = not rms
     if residual:
         make_inputs = lambda shape, dtype, device: _add_norm_inputs(shape, dtype, device, bias)  # noqa: E731
-        return _row_op_suite(op, "norms", make_inputs, _add_norm_cost, ours, eager, liger)
+        return _row_op_suite(op, "norms", make_inputs, _add_norm_cost, ours, eager, liger, shapes)
     make_inputs = lambda shape, dtype, device: _norm_inputs(shape, dtype, device, bias)  # noqa: E731
-    return _row_op_suite(op, "norms", make_inputs, _norm_cost, ours, eager, liger,
+    return _row_op_suite(op, "norms", make_inputs, _norm_cost, ours, eager, liger, shapes,
                          kernel_only=_norm_kernel_only(rms))
 
 
@@ -354,6 +359,15 @@ SUITES: dict[str, Suite] = {
     "rms_norm": _norm_suite(
         "rms_norm", rms=True, residual=False, ours=lambda x, w: kf.rms_norm(x, w, 1e-6),
         eager=lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-6), liger=_liger_rms_norm),
+    # the row-length sweep: forward+backward at every length >= the best of eager, compile, Liger
+    "rms_norm_rows": _norm_suite(
+        "rms_norm_rows", rms=True, residual=False, ours=lambda x, w: kf.rms_norm(x, w, 1e-6),
+        eager=lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-6), liger=_liger_rms_norm,
+        shapes=NORM_ROW_SHAPES),
+    "layer_norm_rows": _norm_suite(
+        "layer_norm_rows", rms=False, residual=False, ours=lambda x, w, b: kf.layer_norm(x, w, b, 1e-5),
+        eager=lambda x, w, b: torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b, 1e-5), liger=_liger_layer_norm,
+        shapes=NORM_ROW_SHAPES),
     "gelu": _activation_suite("gelu", "gelu", lambda x: kf.gelu(x), lambda x: torch.nn.functional.gelu(x)),
     "bias_gelu": _activation_suite("bias_gelu", "gelu_tanh", lambda x, b: kf.bias_gelu(x, b, approximate="tanh"),
                                    lambda x, b: torch.nn.functional.gelu(x + b, approximate="tanh"), bias=True),
