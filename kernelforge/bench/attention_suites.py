@@ -263,26 +263,34 @@ def _paged_sdpa(name: str, backend: SDPBackend | None):
     return run
 
 
+def _self_attention_suite(op: str, shapes: list, quick_shapes: list) -> Suite:
+    """(B, H, S, D, causal) self-attention against the full baselines (cuDNN, FlashAttention-2,
+    Flex, eager)."""
+    return Suite(
+        op=op,
+        registry_op="attention",
+        shapes=shapes,
+        quick_shapes=quick_shapes,
+        make_inputs=_self_attention_inputs,
+        # causal: half of the S*S pairs (the FlashAttention convention)
+        cost=lambda shape, dtype, direction: _attention_cost(
+            shape[2] ** 2 / (2 if shape[4] else 1), *shape[:4], dtype, direction),
+        kernelforge=lambda q, k, v, causal: kf.flash_attention(q, k, v, causal=causal),
+        baselines=_full_baselines,
+        support_args=lambda inputs, direction: _support_args(inputs, direction, Visibility.of(inputs[3], None)),
+        label=lambda shape: "x".join(map(str, shape[:4])) + (" causal" if shape[4] else ""),
+    )
+
+
 def attention_suites() -> dict:
     return {
         # (B, H, S, D, causal) of models' attention: ViT-B/16 at batch 64 (197 tokens), BERT-base
         # (32 x 512), a GPT-2-sized causal LM (8 x 1024), Llama-3.2-1B (4 x 2048, head dim 64),
         # and head dim 128 at 4 x 4096 (Llama-3-8B's)
-        "attention_models": Suite(
-            op="attention_models",
-            registry_op="attention",
-            shapes=[(64, 12, 197, 64, False), (32, 12, 512, 64, False), (8, 12, 1024, 64, True),
-                    (4, 32, 2048, 64, True), (4, 32, 4096, 128, True)],
-            quick_shapes=[(2, 2, 37, 32, False), (1, 2, 64, 32, True)],
-            make_inputs=_self_attention_inputs,
-            cost=lambda shape, dtype, direction: _attention_cost(
-                shape[2] ** 2 / (2 if shape[4] else 1), *shape[:4], dtype, direction),
-            kernelforge=lambda q, k, v, causal: kf.flash_attention(q, k, v, causal=causal),
-            baselines=_full_baselines,
-            support_args=lambda inputs, direction: _support_args(
-                inputs, direction, Visibility.of(inputs[3], None)),
-            label=lambda shape: "x".join(map(str, shape[:4])) + (" causal" if shape[4] else ""),
-        ),
+        "attention_models": _self_attention_suite(
+            "attention_models", shapes=[(64, 12, 197, 64, False), (32, 12, 512, 64, False), (8, 12, 1024, 64, True),
+                                        (4, 32, 2048, 64, True), (4, 32, 4096, 128, True)],
+            quick_shapes=[(2, 2, 37, 32, False), (1, 2, 64, 32, True)]),
         # (B, H, H_kv, Sk, D, page): one token a sequence against a paged KV cache (block table),
         # beside kernelforge and SDPA on the same keys kept contiguous
         "attention_paged": Suite(
@@ -307,21 +315,10 @@ def attention_suites() -> dict:
             label=lambda shape: "B{} H{}/{} Sk{} D{} page{}".format(*shape),
         ),
         # (B, H, S, D, causal): the target shapes: B*S = 16384 tokens, 16 heads, head dims 128 and 64
-        "attention": Suite(
-            op="attention",
-            shapes=[(B, 16, S, D, causal) for D in (128, 64) for B, S, causal in (
+        "attention": _self_attention_suite(
+            "attention", shapes=[(B, 16, S, D, causal) for D in (128, 64) for B, S, causal in (
                 (16, 1024, False), (4, 4096, False), (4, 4096, True), (2, 8192, False), (2, 8192, True))],
-            quick_shapes=[(1, 2, 128, 64, True), (1, 2, 64, 32, False)],
-            make_inputs=_self_attention_inputs,
-            # causal: half of the S*S pairs (the FlashAttention convention)
-            cost=lambda shape, dtype, direction: _attention_cost(
-                shape[2] ** 2 / (2 if shape[4] else 1), *shape[:4], dtype, direction),
-            kernelforge=lambda q, k, v, causal: kf.flash_attention(q, k, v, causal=causal),
-            baselines=_full_baselines,
-            support_args=lambda inputs, direction: _support_args(
-                inputs, direction, Visibility.of(inputs[3], None)),
-            label=lambda shape: "x".join(map(str, shape[:4])) + (" causal" if shape[4] else ""),
-        ),
+            quick_shapes=[(1, 2, 128, 64, True), (1, 2, 64, 32, False)]),
         # (B, H, S, D, window): causal, each query sees itself and the `window` keys before it
         "attention_window": Suite(
             op="attention_window",

@@ -131,29 +131,25 @@ def _scaled_mm(fast_accum: bool):
     return run
 
 
+def _product_suite(op: str, shapes: list) -> Suite:
+    """The plain product x @ W^T at `shapes` against cuBLAS and torch.compile."""
+    return Suite(
+        op=op,
+        registry_op="gemm",
+        shapes=shapes,
+        quick_shapes=QUICK,
+        make_inputs=_inputs(bias=False),
+        cost=_cost(bias=False),
+        kernelforge=lambda a, w: kf.gemm(a, w.t()),
+        baselines=_eager_and_compiled(lambda a, w: torch.matmul(a, w.t())),
+        support_args=_support_args,
+    )
+
+
 def gemm_suites() -> dict:
     return {
-        "gemm": Suite(
-            op="gemm",
-            shapes=SQUARES + LLM,
-            quick_shapes=QUICK,
-            make_inputs=_inputs(bias=False),
-            cost=_cost(bias=False),
-            kernelforge=lambda a, w: kf.gemm(a, w.t()),
-            baselines=_eager_and_compiled(lambda a, w: torch.matmul(a, w.t())),
-            support_args=_support_args,
-        ),
-        "gemm_models": Suite(
-            op="gemm_models",
-            registry_op="gemm",
-            shapes=MODELS,
-            quick_shapes=QUICK,
-            make_inputs=_inputs(bias=False),
-            cost=_cost(bias=False),
-            kernelforge=lambda a, w: kf.gemm(a, w.t()),
-            baselines=_eager_and_compiled(lambda a, w: torch.matmul(a, w.t())),
-            support_args=_support_args,
-        ),
+        "gemm": _product_suite("gemm", SQUARES + LLM),
+        "gemm_models": _product_suite("gemm_models", MODELS),
         "gemm_bias_gelu": Suite(
             op="gemm_bias_gelu",
             registry_op="gemm",
