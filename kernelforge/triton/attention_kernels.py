@@ -201,21 +201,22 @@ def backward_delta_kernel(O, DO, DELTA, sob, soh, som, sdb, sdh, sdm, H, Sq,
 
 
 @triton.jit
-def _lse2(LSE_ROW, offs, Sq):
-    """The forward's lse (natural log) in log2 units, +inf for rows that saw no key (and past
-    Sq), so that P = exp2(s2 - lse2) is exactly 0 there."""
-    lse = tl.load(LSE_ROW + offs, mask=offs < Sq, other=float("-inf"))
+def lse_in_log2(LSE_ROW, offs, Sq, stride):
+    """The forward's lse (natural log) of rows `offs` (`stride` apart) in log2 units, +inf for rows
+    that saw no key (and past Sq), so that P = exp2(s2 - lse2) is exactly 0 there."""
+    lse = tl.load(LSE_ROW + offs * stride, mask=offs < Sq, other=float("-inf"))
     return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_row, delta_row, sqm, sdm, m0, offs_m, offs_n, offs_d, offs_dv,
-               Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, bits_base, partial_id, edge,
-               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, MASKED: tl.constexpr,
-               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
-               BLOCK_SPARSE: tl.constexpr, MB_Q: tl.constexpr, MB_K: tl.constexpr, PRECISION: tl.constexpr):
+def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_row, delta_row, sqm, sdm, m0, offs_m, offs_n, offs_d, offs_dv,
+              Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, bits_base, partial_id, edge, lse_stride,
+              HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, MASKED: tl.constexpr,
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
+              BLOCK_SPARSE: tl.constexpr, MB_Q: tl.constexpr, MB_K: tl.constexpr, PRECISION: tl.constexpr):
     """One query tile's contribution to a key tile's dK, dV, transposed (keys as rows):
-    P^T = exp2(K Q^T - lse2), dV += P^T dO, dS^T = P^T (V dO^T - delta), dK += dS^T Q."""
+    P^T = exp2(K Q^T - lse2), dV += P^T dO, dS^T = P^T (V dO^T - delta), dK += dS^T Q. The rows'
+    lse lie lse_stride apart (1 here; the packed layout of attention_varlen.py), their delta 1."""
     rows = m0 + offs_m
     if MASKED:
         q_rows = rows[:, None] < Sq
@@ -224,7 +225,7 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_row, delta_row, sqm, sdm, m0, 
     q = tl.load(q_base + rows[:, None] * sqm + offs_d[None, :], mask=q_rows & (offs_d[None, :] < HEAD_DIM), other=0.0)
     do = tl.load(do_base + rows[:, None] * sdm + offs_dv[None, :], mask=q_rows & (offs_dv[None, :] < HEAD_DIM_V),
                  other=0.0)
-    lse2 = _lse2(lse_row, rows, Sq)
+    lse2 = lse_in_log2(lse_row, rows, Sq, lse_stride)
     delta = tl.load(delta_row + rows, mask=rows < Sq, other=0.0)
     sT = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
     sT = masked_scores(sT, rows[None, :], offs_n[:, None], Sq, Sk, off, LEFT, RIGHT, mask_base, smm, smn,
@@ -291,43 +292,43 @@ def flash_backward_dkdv_kernel(
             for t in range(0, full):
                 qb = tl.load(BLOCKS + list_base + t)
                 for sub in tl.static_range(MB_Q // BLOCK_M):
-                    dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm,
-                                        qb * MB_Q + sub * BLOCK_M, offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT,
-                                        RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, True, HEAD_DIM, HEAD_DIM_V,
-                                        HAS_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
+                    dk, dv = dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm,
+                                       qb * MB_Q + sub * BLOCK_M, offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT,
+                                       RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, True, 1, HEAD_DIM, HEAD_DIM_V,
+                                       HAS_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
             for t in range(full, count):
                 qb = tl.load(BLOCKS + list_base + t)
                 partial_id = tl.load(PARTIAL + list_base + t)
                 for sub in tl.static_range(MB_Q // BLOCK_M):
-                    dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm,
-                                        qb * MB_Q + sub * BLOCK_M, offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT,
-                                        RIGHT, qk_scale, mask_base, smm, smn, BITS, partial_id, True, HEAD_DIM,
-                                        HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, True, MB_Q, MB_K, PRECISION)
+                    dk, dv = dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm,
+                                       qb * MB_Q + sub * BLOCK_M, offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT,
+                                       RIGHT, qk_scale, mask_base, smm, smn, BITS, partial_id, True, 1, HEAD_DIM,
+                                       HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, True, MB_Q, MB_K, PRECISION)
         else:
             lo, full_lo, full_hi, hi = col_range(n0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
             if ONE_LOOP:
                 for m0 in range(lo, hi, BLOCK_M):
-                    dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm, m0,
-                                        offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale,
-                                        mask_base, smm, smn, BITS, -1, (m0 < full_lo) | (m0 >= full_hi), HEAD_DIM,
-                                        HEAD_DIM_V, EDGE_AT_RUN_TIME, HAS_LEFT, HAS_RIGHT, 0, False, MB_Q, MB_K,
-                                        PRECISION)
+                    dk, dv = dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm, m0,
+                                       offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale,
+                                       mask_base, smm, smn, BITS, -1, (m0 < full_lo) | (m0 >= full_hi), 1, HEAD_DIM,
+                                       HEAD_DIM_V, EDGE_AT_RUN_TIME, HAS_LEFT, HAS_RIGHT, 0, False, MB_Q, MB_K,
+                                       PRECISION)
             else:
                 for m0 in range(lo, full_lo, BLOCK_M):
-                    dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm, m0,
-                                        offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale,
-                                        mask_base, smm, smn, BITS, -1, True, HEAD_DIM, HEAD_DIM_V, True,
-                                        HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
+                    dk, dv = dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm, m0,
+                                       offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale,
+                                       mask_base, smm, smn, BITS, -1, True, 1, HEAD_DIM, HEAD_DIM_V, True,
+                                       HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
                 for m0 in range(full_lo, full_hi, BLOCK_M):
-                    dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm, m0,
-                                        offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale,
-                                        mask_base, smm, smn, BITS, -1, False, HEAD_DIM, HEAD_DIM_V, False,
-                                        HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
+                    dk, dv = dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm, m0,
+                                       offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale,
+                                       mask_base, smm, smn, BITS, -1, False, 1, HEAD_DIM, HEAD_DIM_V, False,
+                                       HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
                 for m0 in range(full_hi, hi, BLOCK_M):
-                    dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm, m0,
-                                        offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale,
-                                        mask_base, smm, smn, BITS, -1, True, HEAD_DIM, HEAD_DIM_V, True,
-                                        HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
+                    dk, dv = dkdv_tile(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, sqm, sdm, m0,
+                                       offs_m, offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale,
+                                       mask_base, smm, smn, BITS, -1, True, 1, HEAD_DIM, HEAD_DIM_V, True,
+                                       HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
         if PRECISION == "ieee":
             dk_sum += dk
             dv_sum += dv
@@ -344,11 +345,11 @@ def flash_backward_dkdv_kernel(
 
 
 @triton.jit
-def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
-             Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, bits_base, partial_id, edge,
-             HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, MASKED: tl.constexpr,
-             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
-             BLOCK_SPARSE: tl.constexpr, MB_Q: tl.constexpr, MB_K: tl.constexpr, PRECISION: tl.constexpr):
+def dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
+            Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, bits_base, partial_id, edge,
+            HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, MASKED: tl.constexpr,
+            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
+            BLOCK_SPARSE: tl.constexpr, MB_Q: tl.constexpr, MB_K: tl.constexpr, PRECISION: tl.constexpr):
     """One key tile's contribution to a query tile's dQ: P = exp2(Q K^T - lse2),
     dS = P (dO V^T - delta), dQ += dS K."""
     cols = n0 + offs_n
@@ -391,7 +392,7 @@ def flash_backward_dq_kernel(
     do = tl.load(DO + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh + offs_m[:, None] * sdm + offs_dv[None, :],
                  mask=row_ok & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
     row = pid_bh.to(tl.int64) * Sq
-    lse2 = _lse2(LSE + row, offs_m, Sq)
+    lse2 = lse_in_log2(LSE + row, offs_m, Sq, 1)
     delta = tl.load(DELTA + row + offs_m, mask=offs_m < Sq, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if BLOCK_SPARSE:
@@ -401,38 +402,38 @@ def flash_backward_dq_kernel(
         for t in range(0, full):
             kb = tl.load(BLOCKS + list_base + t)
             for sub in tl.static_range(MB_K // BLOCK_N):
-                dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, kb * MB_K + sub * BLOCK_N, offs_m,
-                              offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS,
-                              -1, True, HEAD_DIM, HEAD_DIM_V, HAS_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q,
-                              MB_K, PRECISION)
+                dq = dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, kb * MB_K + sub * BLOCK_N, offs_m,
+                             offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS,
+                             -1, True, HEAD_DIM, HEAD_DIM_V, HAS_BAND, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q,
+                             MB_K, PRECISION)
         for t in range(full, count):
             kb = tl.load(BLOCKS + list_base + t)
             partial_id = tl.load(PARTIAL + list_base + t)
             for sub in tl.static_range(MB_K // BLOCK_N):
-                dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, kb * MB_K + sub * BLOCK_N, offs_m,
-                              offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS,
-                              partial_id, True, HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, True,
-                              MB_Q, MB_K, PRECISION)
+                dq = dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, kb * MB_K + sub * BLOCK_N, offs_m,
+                             offs_n, offs_d, offs_dv, Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS,
+                             partial_id, True, HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, True,
+                             MB_Q, MB_K, PRECISION)
     else:
         lo, full_lo, full_hi, hi = row_range(m0, Sq, Sk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         if ONE_LOOP:
             for n0 in range(lo, hi, BLOCK_N):
-                dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
-                              Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1,
-                              (n0 < full_lo) | (n0 >= full_hi), HEAD_DIM, HEAD_DIM_V, EDGE_AT_RUN_TIME, HAS_LEFT,
-                              HAS_RIGHT, 0, False, MB_Q, MB_K, PRECISION)
+                dq = dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
+                             Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1,
+                             (n0 < full_lo) | (n0 >= full_hi), HEAD_DIM, HEAD_DIM_V, EDGE_AT_RUN_TIME, HAS_LEFT,
+                             HAS_RIGHT, 0, False, MB_Q, MB_K, PRECISION)
         else:
             for n0 in range(lo, full_lo, BLOCK_N):
-                dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
-                              Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, True, HEAD_DIM,
-                              HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
+                dq = dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
+                             Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, True, HEAD_DIM,
+                             HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
             for n0 in range(full_lo, full_hi, BLOCK_N):
-                dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
-                              Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, False, HEAD_DIM,
-                              HEAD_DIM_V, False, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
+                dq = dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
+                             Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, False, HEAD_DIM,
+                             HEAD_DIM_V, False, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
             for n0 in range(full_hi, hi, BLOCK_N):
-                dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
-                              Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, True, HEAD_DIM,
-                              HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
+                dq = dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
+                             Sq, Sk, off, LEFT, RIGHT, qk_scale, mask_base, smm, smn, BITS, -1, True, HEAD_DIM,
+                             HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, False, MB_Q, MB_K, PRECISION)
     tl.store(DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + offs_m[:, None] * sdqm + offs_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=row_ok & (offs_d[None, :] < HEAD_DIM))

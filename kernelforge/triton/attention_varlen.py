@@ -8,9 +8,10 @@ program whose tile starts past its sequence's length exits at once. max_seqlen_q
 trusted, as in FlashAttention: a sequence longer than them has its rows past max_seqlen left
 uncomputed (zeros), which nothing here can detect without a host sync. Within a sequence the
 work is kernelforge.flash_attention's: Sq = Lq, Sk = Lk, off = Lk - Lq (causal and window
-aligned bottom-right per sequence), through the tile helpers of attention_kernels.py
-(forward_tile, finish_rows, backward_delta_kernel) and attention_visibility.py (row_range,
-col_range, masked_scores), with attn_mask and block masks off (MASK_KIND 0, no BLOCK_SPARSE).
+aligned bottom-right per sequence), through the dense kernels' tile helpers of attention_kernels.py
+(forward_tile, finish_rows, backward_delta_kernel, dkdv_tile, dq_tile, lse_in_log2: the same code
+the dense attention runs, the packed lse read lse_stride = heads apart) and attention_visibility.py
+(row_range, col_range), with attn_mask and block masks off (MASK_KIND 0, no BLOCK_SPARSE).
 
 Work per head, summed over sequences (b = bytes per element, P = sum_b Lq_b * Lk_b pairs, half
 or less under causal / a window):
@@ -41,8 +42,9 @@ import triton.language as tl
 from kernelforge.reference.attention import Visibility
 from kernelforge.triton import interpreter_enabled
 from kernelforge.triton._launch import cdiv, launch, next_power_of_2, on_device
-from kernelforge.triton.attention_kernels import backward_delta_kernel, finish_rows, forward_tile
-from kernelforge.triton.attention_visibility import LN2, LOG2E, col_range, masked_scores, row_range
+from kernelforge.triton.attention_kernels import (backward_delta_kernel, dkdv_tile, dq_tile, finish_rows, forward_tile,
+                                                  lse_in_log2)
+from kernelforge.triton.attention_visibility import LN2, col_range, row_range
 
 MAX_HEAD_DIM = 256
 LOG2E_HOST = 1.4426950408889634  # the kernels take scores in log2 units
@@ -123,37 +125,6 @@ def varlen_forward_kernel(
 
 
 @triton.jit
-def _lse2(LSE, DELTA, rows, Lq, slm, sdm):
-    """(lse in log2 units, +inf where a row saw no key or is past Lq so that P = 0 there; delta)."""
-    lse = tl.load(LSE + rows * slm, mask=rows < Lq, other=float("-inf"))
-    delta = tl.load(DELTA + rows * sdm, mask=rows < Lq, other=0.0)
-    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E), delta
-
-
-@triton.jit
-def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sdm, slm, sdlm, m0, offs_m, offs_n,
-               offs_d, offs_dv, Lq, Lk, off, LEFT, RIGHT, qk_scale,
-               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
-               HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr):
-    """One query tile's part of a key tile's dK, dV, keys as rows: P^T = exp2(K Q^T - lse2),
-    dV += P^T dO, dS^T = P^T (V dO^T - delta), dK += dS^T Q."""
-    rows = m0 + offs_m
-    q_rows = (rows[:, None] < Lq) if MASKED else (rows[:, None] >= 0)
-    q = tl.load(q_base + rows[:, None] * sqm + offs_d[None, :], mask=q_rows & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    do = tl.load(do_base + rows[:, None] * sdm + offs_dv[None, :], mask=q_rows & (offs_dv[None, :] < HEAD_DIM_V),
-                 other=0.0)
-    lse2, delta = _lse2(lse_base, delta_base, rows, Lq, slm, sdlm)
-    sT = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
-    sT = masked_scores(sT, rows[None, :], offs_n[:, None], Lq, Lk, off, LEFT, RIGHT, q_base, 0, 0, q_base, -1, True,
-                       MASKED, HAS_LEFT, HAS_RIGHT, 0, False, 16, 16)
-    pT = tl.math.exp2(sT - lse2[None, :])
-    dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
-    dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-    dsT = pT * (dpT - delta[None, :])
-    return tl.dot(dsT.to(q.dtype), q, dk, input_precision=PRECISION), dv
-
-
-@triton.jit
 def varlen_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, sqm, sqh, skn, skh, svn, svh, sdm, sdh, slm, sdlh,
     sdkn, sdkh, sdvn, sdvh, GROUP, LEFT, RIGHT, qk_scale, scale,
@@ -192,17 +163,17 @@ def varlen_dkdv_kernel(
         lse_base = LSE + q0 * slm + h
         delta_base = DELTA + h * sdlh + q0
         for m0 in range(lo, full_lo, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sdm, slm, 1, m0, offs_m,
-                                offs_n, offs_d, offs_dv, Lq, Lk, off, LEFT, RIGHT, qk_scale, HEAD_DIM, HEAD_DIM_V,
-                                True, HAS_LEFT, HAS_RIGHT, PRECISION)
+            dk, dv = dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sdm, m0, offs_m, offs_n,
+                               offs_d, offs_dv, Lq, Lk, off, LEFT, RIGHT, qk_scale, q_base, 0, 0, q_base, -1, True,
+                               slm, HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, 0, False, 16, 16, PRECISION)
         for m0 in range(full_lo, full_hi, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sdm, slm, 1, m0, offs_m,
-                                offs_n, offs_d, offs_dv, Lq, Lk, off, LEFT, RIGHT, qk_scale, HEAD_DIM, HEAD_DIM_V,
-                                False, HAS_LEFT, HAS_RIGHT, PRECISION)
+            dk, dv = dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sdm, m0, offs_m, offs_n,
+                               offs_d, offs_dv, Lq, Lk, off, LEFT, RIGHT, qk_scale, q_base, 0, 0, q_base, -1, False,
+                               slm, HEAD_DIM, HEAD_DIM_V, False, HAS_LEFT, HAS_RIGHT, 0, False, 16, 16, PRECISION)
         for m0 in range(full_hi, hi, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sdm, slm, 1, m0, offs_m,
-                                offs_n, offs_d, offs_dv, Lq, Lk, off, LEFT, RIGHT, qk_scale, HEAD_DIM, HEAD_DIM_V,
-                                True, HAS_LEFT, HAS_RIGHT, PRECISION)
+            dk, dv = dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sdm, m0, offs_m, offs_n,
+                               offs_d, offs_dv, Lq, Lk, off, LEFT, RIGHT, qk_scale, q_base, 0, 0, q_base, -1, True,
+                               slm, HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, 0, False, 16, 16, PRECISION)
         if PRECISION == "ieee":
             dk_sum += dk
             dv_sum += dv
@@ -215,25 +186,6 @@ def varlen_dkdv_kernel(
              (dk * scale).to(DK.dtype.element_ty), mask=key_ok & (offs_d[None, :] < HEAD_DIM))
     tl.store(DV + k0 * sdvn + hk.to(tl.int64) * sdvh + offs_n[:, None] * sdvn + offs_dv[None, :],
              dv.to(DV.dtype.element_ty), mask=key_ok & (offs_dv[None, :] < HEAD_DIM_V))
-
-
-@triton.jit
-def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv,
-             Lq, Lk, off, LEFT, RIGHT, qk_scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-             MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr):
-    """One key tile's part of a query tile's dQ: P = exp2(Q K^T - lse2), dS = P (dO V^T - delta), dQ += dS K."""
-    cols = n0 + offs_n
-    kv_rows = (cols[:, None] < Lk) if MASKED else (cols[:, None] >= 0)
-    k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :], mask=kv_rows & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    v = tl.load(v_base + cols[:, None] * svn + offs_dv[None, :], mask=kv_rows & (offs_dv[None, :] < HEAD_DIM_V),
-                other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    s = masked_scores(s, offs_m[:, None], cols[None, :], Lq, Lk, off, LEFT, RIGHT, k_base, 0, 0, k_base, -1, True,
-                      MASKED, HAS_LEFT, HAS_RIGHT, 0, False, 16, 16)
-    p = tl.math.exp2(s - lse2[:, None])
-    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-    ds = p * (dp - delta[:, None])
-    return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
 
 
 @triton.jit
@@ -262,20 +214,24 @@ def varlen_dq_kernel(
                 mask=row_ok & (offs_d[None, :] < HEAD_DIM), other=0.0)
     do = tl.load(DO + q0 * sdm + h.to(tl.int64) * sdh + offs_m[:, None] * sdm + offs_dv[None, :],
                  mask=row_ok & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
-    lse2, delta = _lse2(LSE + q0 * slm + h, DELTA + h.to(tl.int64) * sdlh + q0, offs_m, Lq, slm, 1)
+    lse2 = lse_in_log2(LSE + q0 * slm + h, offs_m, Lq, slm)
+    delta = tl.load(DELTA + h.to(tl.int64) * sdlh + q0 + offs_m, mask=offs_m < Lq, other=0.0)
     k_base = K + k0 * skn + hk.to(tl.int64) * skh
     v_base = V + k0 * svn + hk.to(tl.int64) * svh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, full_lo, full_hi, hi = row_range(m0, Lq, Lk, off, LEFT, RIGHT, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     for n0 in range(lo, full_lo, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv, Lq, Lk,
-                      off, LEFT, RIGHT, qk_scale, HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, PRECISION)
+        dq = dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv, Lq, Lk,
+                     off, LEFT, RIGHT, qk_scale, k_base, 0, 0, k_base, -1, True, HEAD_DIM, HEAD_DIM_V, True,
+                     HAS_LEFT, HAS_RIGHT, 0, False, 16, 16, PRECISION)
     for n0 in range(full_lo, full_hi, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv, Lq, Lk,
-                      off, LEFT, RIGHT, qk_scale, HEAD_DIM, HEAD_DIM_V, False, HAS_LEFT, HAS_RIGHT, PRECISION)
+        dq = dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv, Lq, Lk,
+                     off, LEFT, RIGHT, qk_scale, k_base, 0, 0, k_base, -1, False, HEAD_DIM, HEAD_DIM_V, False,
+                     HAS_LEFT, HAS_RIGHT, 0, False, 16, 16, PRECISION)
     for n0 in range(full_hi, hi, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv, Lq, Lk,
-                      off, LEFT, RIGHT, qk_scale, HEAD_DIM, HEAD_DIM_V, True, HAS_LEFT, HAS_RIGHT, PRECISION)
+        dq = dq_tile(dq, q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_n, offs_d, offs_dv, Lq, Lk,
+                     off, LEFT, RIGHT, qk_scale, k_base, 0, 0, k_base, -1, True, HEAD_DIM, HEAD_DIM_V, True,
+                     HAS_LEFT, HAS_RIGHT, 0, False, 16, 16, PRECISION)
     tl.store(DQ + q0 * sdqm + h.to(tl.int64) * sdqh + offs_m[:, None] * sdqm + offs_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=row_ok & (offs_d[None, :] < HEAD_DIM))
 
