@@ -415,9 +415,10 @@ def _gemm_run(a, b, compute="fp32"):
 
 
 def _attention_bucket(q, k, v, vis=None, backward=False):
-    if backward or vis is None or not (q.is_cuda or _MEASURE_CPU) or any(x is not None for x in (vis.attn_mask, vis.block_mask, vis.seqlens,
-                                                                getattr(vis, "block_table", None))):
+    if backward or vis is None or not (q.is_cuda or _MEASURE_CPU):
         return None
+    if vis.attn_mask is not None or vis.block_mask is not None or vis.seqlens is not None or vis.block_table is not None:
+        return None  # masks and caches: the rules (their costs depend on the mask's values, not sizes)
     B, H, Sq, D = q.shape
     return pow2(B * H), pow2(Sq), pow2(k.shape[2]), H // max(k.shape[1], 1), D, v.shape[-1], q.dtype, vis.left, vis.right
 
