@@ -94,6 +94,24 @@ def _tp_case(family, tie=False, patch=True, head="replicate"):
     return case
 
 
+def _tp_generate_case(cache_implementation):
+    """Greedy generation of the patched model under tensor parallelism (each rank its heads' share of
+    the KV cache, dynamic or static): the same tokens as one process."""
+    def case(mesh):
+        from kernelforge.distributed import tensor_parallel_transformers
+
+        ids = torch.randint(0, VOCAB, (2, 5))
+        kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation=cache_implementation)
+        reference = _model("llama").eval()
+        with torch.no_grad():
+            expected = reference.generate(ids, **kwargs)
+        model = tensor_parallel_transformers(_model("llama"), mesh).eval()
+        with torch.no_grad():
+            got = model.generate(ids, **kwargs)
+        assert torch.equal(got, expected), (got, expected)
+    return case
+
+
 def _fsdp_case(family, tie=False):
     def case(mesh):
         import torch.distributed as dist
@@ -141,7 +159,8 @@ def _two_dimensional_case(dp, tp, tie=False):
 def _cases():
     pytest.importorskip("transformers")
     return {"tensor-parallel-llama": _tp_case("llama"), "fsdp2-llama": _fsdp_case("llama"),
-            "tensor-parallel-llama-vocab-head": _tp_case("llama", head="vocab")}
+            "tensor-parallel-llama-vocab-head": _tp_case("llama", head="vocab"),
+            "tensor-parallel-generate-static-cache": _tp_generate_case("static")}
 
 
 def _slow_cases():
@@ -153,7 +172,8 @@ def _slow_cases():
             "tensor-parallel-unpatched-vocab-head": _tp_case("llama", patch=False, head="vocab"),
             "tensor-parallel-qwen2": _tp_case("qwen2", tie=True),
             "fsdp2-llama-tied": _fsdp_case("llama", tie=True), "fsdp2-qwen2": _fsdp_case("qwen2"),
-            "tp-then-fsdp2-dp1-tp2": _two_dimensional_case(1, 2), "tp-then-fsdp2-dp2-tp1": _two_dimensional_case(2, 1)}
+            "tp-then-fsdp2-dp1-tp2": _two_dimensional_case(1, 2), "tp-then-fsdp2-dp2-tp1": _two_dimensional_case(2, 1),
+            "tensor-parallel-generate-dynamic-cache": _tp_generate_case(None)}
 
 
 @pytest.fixture(scope="module")
