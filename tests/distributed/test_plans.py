@@ -90,7 +90,7 @@ def _dp_case(level, mode):
     return case
 
 
-def _generate_case(level):
+def _generate_case(level, sequence_parallel=False):
     def case(mesh):
         import torch.distributed as dist
         from kernelforge.distributed.plans import tensor_parallel
@@ -99,7 +99,7 @@ def _generate_case(level):
         ids = torch.randint(0, 32, (2, 5))
         reference = copy.deepcopy(model)
         expected = reference.generate(ids, max_new_tokens=6, temperature=0)
-        tensor_parallel(model, mesh)
+        tensor_parallel(model, mesh, sequence_parallel=sequence_parallel)
         tokens = model.generate(ids, max_new_tokens=6, temperature=0)
         torch.testing.assert_close(tokens, expected, rtol=0, atol=0)
         heads = slice(2 * dist.get_rank(), 2 * dist.get_rank() + 2)  # the rank's 2 of the 4 heads
@@ -118,6 +118,7 @@ def _cases():
         cases[f"ddp-{level}"] = _dp_case(level, "ddp")
         cases[f"fsdp2-{level}"] = _dp_case(level, "fsdp2")
         cases[f"generate-tensor-parallel-{level}"] = _generate_case(level)
+        cases[f"generate-sequence-parallel-{level}"] = _generate_case(level, sequence_parallel=True)
     return cases
 
 
