@@ -27,6 +27,24 @@ def backend_cases(backends=("reference", "triton", "cuda")):
     return cases
 
 
+def capture_cuda_graph(step):
+    """(graph, output) of step() captured in a torch.cuda.CUDAGraph after two warm-up calls on a side
+    stream (compiles, autotunes, allocator warm-up happen outside the capture); replayed once and
+    synchronized, so the output holds the first replay's values."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, out
+
+
 def device_cases():
     """"cpu" and "cuda" for parametrize: the CUDA case is in the GPU suite (-m gpu) and skipped
     without a GPU (for tests of the registered ops, which pick their backend themselves)."""

@@ -11,7 +11,7 @@ import torch
 
 import kernelforge as kf
 from tests.attention_oracle import kv_cache_attention
-from tests.conftest import backend_cases, needs_cuda
+from tests.conftest import backend_cases, capture_cuda_graph, needs_cuda
 from tests.numerics import assert_matches_oracle
 from tests.op_paths import assert_inductor_launches, compiled_code
 
@@ -161,17 +161,7 @@ def test_cuda_graph_replays_decode_with_new_lengths():
     def step():
         return kf.flash_attention(q, k, v, causal=True, cache_seqlens=seqlens)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    graph.replay()
-    torch.cuda.synchronize()
+    graph, out = capture_cuda_graph(step)  # warmed up outside the capture, replayed once
     assert_matches_kv_cache_oracle(out, q, k, v, seqlens, "first replay", causal=True)
     # the next step: a token written at each sequence's end, new lengths (one cache emptied), a new query
     new_lengths = [8, 301, 4096, 0]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kernelforge as kf
-from tests.conftest import backend_cases, needs_cuda
+from tests.conftest import backend_cases, capture_cuda_graph, needs_cuda
 from tests.ops.test_attention_kvcache import assert_matches_kv_cache_oracle, kv_dtypes
 
 
@@ -287,17 +287,7 @@ def test_cuda_graph_replays_paged_decode_with_new_lengths_and_table():
     def step():
         return kf.flash_attention(q, kp, vp, causal=True, cache_seqlens=seqlens, block_table=table)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    graph.replay()
-    torch.cuda.synchronize()
+    graph, out = capture_cuda_graph(step)  # warmed up outside the capture, replayed once
 
     def check(what):
         lengths = seqlens.tolist()
