@@ -124,6 +124,33 @@ def attention_section(device) -> None:
     check("sliding_window_block_mask", on_each_backend(lambda: kf.flash_attention(q, k, v, block_mask=block_mask)),
           sdpa(band))
 
+    print("flash_attention_varlen: sequences of 7, 0 and 13 tokens packed, no padding")
+    lengths = [7, 0, 13]
+    cu = torch.tensor([0, 7, 7, 20], device=device, dtype=torch.int32)  # cumulative offsets
+    qp, kp, vp = (torch.randn(20, h, 16, device=device) for h in (4, 2, 2))
+    # each sequence on its own, as a batch of one: what the packed call must give
+    starts = [0, 7, 7]
+    expected = torch.cat([F.scaled_dot_product_attention(*(t[s:s + n].transpose(0, 1)[None] for t in (qp, kp, vp)),
+                                                         is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+                          for s, n in zip(starts, lengths) if n])
+    check("causal, per sequence", on_each_backend(
+        lambda: kf.flash_attention_varlen(qp, kp, vp, cu, cu, max_seqlen_q=13, max_seqlen_k=13, causal=True)),
+        expected)
+
+    print("flash_attention with a paged KV cache: one new token a sequence, keys in shuffled 4-slot pages")
+    cache_k, cache_v = torch.randn(2, 2, 12, 16, device=device), torch.randn(2, 2, 12, 16, device=device)
+    seqlens = torch.tensor([12, 5], device=device, dtype=torch.int32)
+    table = torch.tensor([[4, 0, 2], [5, 1, 3]], device=device, dtype=torch.int32)  # sequence b's pages in order
+    pool_k, pool_v = torch.zeros(6, 2, 4, 16, device=device), torch.zeros(6, 2, 4, 16, device=device)
+    for b in range(2):
+        for j, page in enumerate(table[b].tolist()):  # logical keys 4j..4j+3 of sequence b live in `page`
+            pool_k[page], pool_v[page] = cache_k[b, :, 4 * j:4 * j + 4], cache_v[b, :, 4 * j:4 * j + 4]
+    q1 = torch.randn(2, 4, 1, 16, device=device)
+    expected = torch.cat([F.scaled_dot_product_attention(q1[b:b + 1], cache_k[b:b + 1, :, :n], cache_v[b:b + 1, :, :n],
+                                                         enable_gqa=True) for b, n in enumerate(seqlens.tolist())])
+    check("block_table", on_each_backend(lambda: kf.flash_attention(
+        q1, pool_k, pool_v, cache_seqlens=seqlens, block_table=table)), expected)
+
 
 def losses_section(device) -> None:
     print("cross_entropy, and the LM head + loss fused (fused_linear_cross_entropy: no logits tensor)")
