@@ -20,7 +20,11 @@ or preferred (prefer_backend), while torch.compile traces, and for fewer than tw
 backends, other than the reference, that the rules list and that support the inputs: the reference
 is the fallback for correctness, not a contender, and would hold the score matrix of a long
 attention). Not while a CUDA graph is captured, an eager plan is recorded (a dispatch mode) or
-Dynamo runs either: that call takes the rules and is not cached, so a later call measures.
+Dynamo runs either: that call takes the rules and is not cached, so a later call measures. Not in
+a process that is one rank of a distributed job (torch.distributed initialized, world size > 1):
+ranks measuring apart could pick different backends for the same op, and a Replicate DTensor's
+copies must be computed alike; the cache file's entries (filled before the job, `kernelforge tune`)
+are used there, since every rank reads the same file and no rank writes it.
 
 How: `measure` (the seam the tests replace) runs the callable once (it may compile, autotune or
 build), estimates its time, then times up to MAX_REPEATS runs within TIME_BUDGET_S shared by the
@@ -101,6 +105,8 @@ class Tuner:
         context, key = context_of(device), f"{op} {bucket!r}"
         entry = _entries(context).get(key)
         if entry is None:
+            if in_distributed_job():
+                return replace(rules, unmeasured=DISTRIBUTED), True
             entry = self._measure(op, rules, inputs, options, device, context, key)
             if isinstance(entry, str):
                 return replace(rules, unmeasured=entry), True
@@ -144,6 +150,17 @@ class Tuner:
         _entries(context)[key] = entry
         _save(context, key, entry)
         return entry
+
+
+DISTRIBUTED = ("one rank of a distributed job measures nothing: ranks timing apart could pick different "
+               "backends, and a replicated result must be computed alike on every rank (fill the cache before "
+               "the job with `kernelforge tune`; its entries are used)")
+
+
+def in_distributed_job() -> bool:
+    """Whether this process is one of several ranks (torch.distributed initialized, world size > 1)."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def cuda_ready(extension: str) -> bool:

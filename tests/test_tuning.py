@@ -79,6 +79,21 @@ def _file(path) -> dict:
 
 
 # ----------------------------------------------------------------------------- measuring
+def test_a_rank_of_a_distributed_job_measures_nothing_but_uses_the_file(probe, cache, monkeypatch):
+    x = torch.randn(5, 3)
+    monkeypatch.setattr(tuning, "in_distributed_job", lambda: True)
+    choice = backends.select(PROBE, x)
+    assert choice.backend == "triton" and not choice.measured and probe == []  # the rules
+    assert choice.unmeasured == tuning.DISTRIBUTED and not cache.exists()
+    monkeypatch.setattr(tuning, "in_distributed_job", lambda: False)
+    tuning.reset()
+    assert backends.select(PROBE, x).backend == "cuda" and len(probe) == 2  # measured, written
+    monkeypatch.setattr(tuning, "in_distributed_job", lambda: True)
+    tuning.reset()  # as a rank of a later job: the file read, nothing measured
+    choice = backends.select(PROBE, x)
+    assert choice.backend == "cuda" and choice.measured and len(probe) == 2
+
+
 def test_an_unbuilt_cuda_extension_is_not_a_candidate(probe, monkeypatch):
     """A first call does not wait for nvcc: without a built extension only triton is left, and one
     candidate is not measured."""
