@@ -1,12 +1,13 @@
 """`kernelforge doctor`: the toolchain check users run first.
 
 Prints the versions that matter (Python, torch and its CUDA, Triton, nvcc, ninja), the
-GPUs, whether each CUDA extension builds and loads and whether a Triton kernel runs,
-then one line of verdict.
+GPUs, whether backends are measured (and the measurements' cache file), whether each CUDA
+extension builds and loads and whether a Triton kernel runs, then one line of verdict.
 """
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 import shutil
 import subprocess
@@ -71,6 +72,17 @@ def _extension_smoke(name: str) -> Callable[[], str]:
     return run
 
 
+def _tuning_state(n_gpus: int) -> str:
+    """Whether backends are measured (kernelforge.tuning), the cache file, and its entries for gpu 0."""
+    from kernelforge import tuning
+
+    state = "on" if tuning.enabled() else f"off ({tuning.ENV_VAR}={os.environ.get(tuning.ENV_VAR)!r})"
+    if not n_gpus:
+        return f"{state}, on CUDA devices only; cache {tuning.cache_path()}"
+    count = len(tuning.entries(tuning.context_of(torch.device("cuda", 0))))
+    return f"{state}; cache {tuning.cache_path()}: {count} entries for gpu 0 and these versions"
+
+
 def run_doctor(out: TextIO) -> int:
     from kernelforge.cuda.compiler import EXTENSIONS, why_toolchain_unavailable
 
@@ -87,6 +99,7 @@ def run_doctor(out: TextIO) -> int:
                   f"{p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs\n")
     if not n_gpus:
         out.write("  gpu                    none visible\n")
+    out.write(f"  measured choice        {_tuning_state(n_gpus)}\n")
 
     toolchain = why_toolchain_unavailable()
     problems = []

@@ -14,6 +14,8 @@ def test_doctor_reports_versions_and_a_verdict(capsys):
     out = capsys.readouterr().out
     for needle in ("torch ", "triton ", "nvcc ", "python "):
         assert needle in out
+    # the test suite turns measurement off (tests/conftest.py): the line says so, and where the cache is
+    assert "measured choice        off (KERNELFORGE_TUNING='0')" in out and "tuning.json" in out
     verdict = out.strip().splitlines()[-1]
     assert verdict.startswith("verdict: ") and verdict.split(": ")[1].split(":")[0] in ("READY", "CPU ONLY", "PROBLEM")
     assert code == (1 if "PROBLEM" in verdict else 0)
