@@ -37,6 +37,8 @@ Backends (registry "gemm": gemm): triton, cublas (torch's matmul on CUDA: kernel
 cuda (fp16 / bf16 compute), reference. See
 kernelforge/reference/gemm.py for the launcher interface and what each compute mode means.
 
+Input checks: kernelforge/ops/gemm_checks.py.
+
 Under torch.compile the GEMM stays one opaque custom op on the GPU: Inductor's code calls
 torch.ops.kernelforge.gemm, which runs the eager launcher. Its Triton backend is registered
 traceable=False because what it launches cannot enter a traced graph through
@@ -52,26 +54,21 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional
 
 import torch
 
 from kernelforge import backends, tuning
 from kernelforge.ops import activations as activation_ops
-from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, check_floating, check_same, require
+from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES
 from kernelforge.ops._opdef import define_op, is_traced
+from kernelforge.ops.gemm_checks import ACTIVATIONS, TRITON_MODES, check_gemm
 from kernelforge.reference import gemm as reference
-from kernelforge.reference.activations import KINDS
 
 OP = "gemm"
 PRECISIONS = ("auto", "fp32", "tf32", "fp16", "bf16", "fp8")
-ACTIVATIONS = (None,) + KINDS
-_TRITON_MODES = ("fp32", "tf32", "fp16", "bf16", "fp8")
-_COMPUTE_MODES = _TRITON_MODES + ("fp64",)
 _FP8 = reference.FP8
-_FP8_OPERAND_DTYPES = FLOAT_DTYPES + (_FP8,)
 _TRITON_OPERAND_DTYPES = GPU_FLOAT_DTYPES + (_FP8,)
-_FP8_MIN_CAPABILITY = (8, 9)  # e4m3 tensor cores: Ada (sm_89), Hopper (sm_90) and later
 
 
 @dataclass
@@ -107,8 +104,8 @@ def precision(mode: Optional[str], *, float32_only: bool = False) -> Iterator[No
 def _why_not_triton(a: torch.Tensor, b: torch.Tensor, compute: str = "fp32"):
     from kernelforge.triton import why_unavailable
 
-    if compute not in _TRITON_MODES:
-        return f"the Triton GEMM computes in {', '.join(_TRITON_MODES)}, not {compute}"
+    if compute not in TRITON_MODES:
+        return f"the Triton GEMM computes in {', '.join(TRITON_MODES)}, not {compute}"
     if compute != "fp8":  # fp8 operands reach the launcher rounded to e4m3, whatever they came as
         for name, t in (("a", a), ("b", b)):
             if t.dtype not in _TRITON_OPERAND_DTYPES:
@@ -200,103 +197,6 @@ def resolve_compute(a: torch.Tensor, b: torch.Tensor, precision: str) -> str:
     return "fp16" if dtype == torch.float16 else "bf16"
 
 
-def _broadcast(x: Sequence[int], y: Sequence[int]) -> Optional[tuple[int, ...]]:
-    """torch.broadcast_shapes of two shapes, None where they do not broadcast. In Python:
-    torch.broadcast_shapes costs ~15 us a call on the host, more than a small GEMM."""
-    if len(x) < len(y):
-        x, y = y, x
-    out = list(x)
-    for i in range(1, len(y) + 1):
-        if y[-i] != 1 and out[-i] != y[-i]:
-            if out[-i] != 1:
-                return None
-            out[-i] = y[-i]
-    return tuple(out)
-
-
-def why_no_fp8(device: torch.device, capability: Optional[tuple[int, int]] = None) -> Optional[str]:
-    """None where precision="fp8" runs (the CPU reference emulates it; GPUs need e4m3 tensor
-    cores), else why not. `capability` defaults to the device's."""
-    if device.type != "cuda":
-        return None
-    capability = capability or torch.cuda.get_device_capability(device)
-    if tuple(capability) < _FP8_MIN_CAPABILITY:
-        need = ".".join(map(str, _FP8_MIN_CAPABILITY))
-        return (f"kernelforge.gemm: precision='fp8' needs a GPU with float8 tensor cores (compute capability "
-                f"{need}+: Ada, Hopper), got {capability[0]}.{capability[1]} on {device}")
-    return None
-
-
-def _check_fp8(a, b, scale_a, scale_b, fp8_scaling: str, N: int) -> None:
-    if fp8_scaling not in reference.FP8_SCALINGS:
-        raise ValueError(f"kernelforge.gemm: fp8_scaling must be one of {reference.FP8_SCALINGS}, got {fp8_scaling!r}")
-    reason = why_no_fp8(a.device)
-    if reason is not None:
-        raise RuntimeError(reason)
-    for name, t, want in (("scale_a", scale_a, (*a.shape[:-1], 1)), ("scale_b", scale_b, (*b.shape[:-2], 1, N))):
-        if t is None:
-            continue
-        check_floating("gemm", name, t, FLOAT_DTYPES)
-        check_same("gemm", "device", ("a", name), (a.device, t.device))
-        if _broadcast(t.shape, want) != want:
-            raise ValueError(f"kernelforge.gemm: {name} must broadcast to {want} (one scale per tensor, or per "
-                             f"{'row of a' if name == 'scale_a' else 'column of b'}), got shape {tuple(t.shape)}")
-
-
-def _check(a, b, bias, residual, activation: str, compute: str, scale_a=None, scale_b=None, fp8_scaling: str = "row"
-           ) -> tuple[tuple[int, ...], int, int, int]:
-    """(batch shape, M, N, K) of valid inputs, else a message naming the argument. The common
-    cases (two matrices, a batch against one matrix, a residual of the output's shape) skip the
-    general broadcasting: this runs on every call."""
-    operand_dtypes = _FP8_OPERAND_DTYPES if compute == "fp8" else FLOAT_DTYPES
-    check_floating("gemm", "a", a, operand_dtypes)
-    check_floating("gemm", "b", b, operand_dtypes)
-    a_dims, b_dims = a.dim(), b.dim()
-    for name, t, dims in (("a", a, a_dims), ("b", b, b_dims)):
-        if dims < 2:
-            raise ValueError(f"kernelforge.gemm: {name} must have at least 2 dims (..., rows, cols), "
-                             f"got shape {tuple(t.shape)}")
-    device = a.device
-    check_same("gemm", "device", ("a", "b"), (device, b.device))
-    if activation != "none" and activation not in KINDS:
-        raise ValueError(f"kernelforge.gemm: activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if compute not in _COMPUTE_MODES:
-        raise ValueError(f"kernelforge.gemm: unknown compute mode {compute!r}")
-    if compute == "fp64" and (a.dtype != torch.float64 or b.dtype != torch.float64):
-        raise TypeError(f"kernelforge.gemm: fp64 compute takes float64 a and b, got {a.dtype} and {b.dtype}")
-    a_shape, b_shape = a.shape, b.shape
-    M, K = a_shape[-2], a_shape[-1]
-    N = b_shape[-1]
-    require(b_shape[-2] == K, lambda: f"kernelforge.gemm: a's last dim ({K}) must equal b's second-to-last "
-                                      f"(got a {tuple(a.shape)}, b {tuple(b.shape)})")
-    if b_dims == 2:
-        batch = tuple(a_shape[:-2])
-    elif a_dims == 2:
-        batch = tuple(b_shape[:-2])
-    else:
-        batch = _broadcast(a_shape[:-2], b_shape[:-2])
-        if batch is None:
-            raise ValueError(f"kernelforge.gemm: the batch dims of a {tuple(a.shape[:-2])} and b "
-                             f"{tuple(b.shape[:-2])} do not broadcast")
-    if bias is not None:
-        check_floating("gemm", "bias", bias, FLOAT_DTYPES)
-        check_same("gemm", "device", ("a", "bias"), (device, bias.device))
-        require(bias.dim() == 1 and bias.shape[0] == N,
-                lambda: f"kernelforge.gemm: bias must have shape ({N},) (b's last dim), got {tuple(bias.shape)}")
-    if residual is not None:
-        check_floating("gemm", "residual", residual, FLOAT_DTYPES)
-        check_same("gemm", "device", ("a", "residual"), (device, residual.device))
-        shape = (*batch, M, N)
-        if residual.shape != shape and _broadcast(residual.shape, shape) != shape:
-            raise ValueError(f"kernelforge.gemm: residual of shape {tuple(residual.shape)} does not broadcast to the "
-                             f"output's {shape}")
-    if compute == "fp8":
-        _check_fp8(a, b, scale_a, scale_b, fp8_scaling, N)
-    elif scale_a is not None or scale_b is not None:
-        raise ValueError(f"kernelforge.gemm: scale_a and scale_b go with precision='fp8', got compute mode {compute!r}")
-    return batch, M, N, K
-
-
 # ----------------------------------------------------------------------------- implementation
 def _batched(a, b, residual, batch, M, N, K):
     """(a3, b3, residual3, folded): (B, M', K), (B, K, N), (B, M', N) views for the launcher.
@@ -342,7 +242,7 @@ def _gemm(a, b, bias, residual, activation: str, compute: str, out_dtype: torch.
           scale_a=None, scale_b=None, fp8_scaling: str = "row", fp8_fast_accum: bool = False):
     """What kernelforge::gemm computes (the eager call runs it directly, the registered op
     through torch.ops, torch.compile traces it on the reference)."""
-    batch, M, N, K = _check(a, b, bias, residual, activation, compute, scale_a, scale_b, fp8_scaling)
+    batch, M, N, K = check_gemm(a, b, bias, residual, activation, compute, scale_a, scale_b, fp8_scaling)
     launchers = _choose(a, b, compute).implementation.launchers()
     fp8 = {}
     if compute == "fp8":
@@ -360,7 +260,7 @@ def _gemm(a, b, bias, residual, activation: str, compute: str, out_dtype: torch.
 
 def _fake(a, b, bias, residual, activation, compute, out_dtype, save_preact, scale_a=None, scale_b=None,
           fp8_scaling="row", fp8_fast_accum=False):
-    batch, M, N, _ = _check(a, b, bias, residual, activation, compute, scale_a, scale_b, fp8_scaling)
+    batch, M, N, _ = check_gemm(a, b, bias, residual, activation, compute, scale_a, scale_b, fp8_scaling)
     out = a.new_empty((*batch, M, N), dtype=out_dtype)
     return out, (torch.empty_like(out) if save_preact else a.new_empty(0, dtype=out_dtype))
 

@@ -14,6 +14,7 @@ import torch
 
 import kernelforge as kf
 from kernelforge.ops import gemm as gemm_ops
+from kernelforge.ops import gemm_checks
 from kernelforge.reference import gemm as reference
 from tests.conftest import backend_cases
 from tests.numerics import assert_compiled_matches_eager, assert_matches_oracle
@@ -266,9 +267,9 @@ def test_precision_auto_takes_fp8_for_e4m3_operands():
 
 
 def test_gpus_without_fp8_are_refused_clearly():
-    assert gemm_ops.why_no_fp8(torch.device("cpu")) is None
-    assert gemm_ops.why_no_fp8(torch.device("cuda"), capability=(9, 0)) is None
-    why = gemm_ops.why_no_fp8(torch.device("cuda"), capability=(8, 0))
+    assert gemm_checks.why_no_fp8(torch.device("cpu")) is None
+    assert gemm_checks.why_no_fp8(torch.device("cuda"), capability=(9, 0)) is None
+    why = gemm_checks.why_no_fp8(torch.device("cuda"), capability=(8, 0))
     assert "compute capability 8.9+" in why and "got 8.0" in why
 
 
