@@ -21,7 +21,8 @@
 #            $RACECHECK_TESTS (FILE or FILE:SECONDS; default tests/cuda), $MEMCHECK_K / $RACECHECK_K
 #            replacing each file's -k selection, $SANITIZE_JOBS of them at once (default 1)
 #   distributed  (2+ GPUs) tests/distributed over NCCL, then examples/08_train_distributed.py on 1, 2, 4 GPUs
-#            per plan ($SCALING_PLANS, $SCALING_BATCH sequences a GPU, $SCALING_ARGS): scaling.log
+#            per plan ($SCALING_PLANS, $SCALING_BATCH sequences a GPU, $SCALING_ARGS): scaling.log;
+#            DIST_TESTS=0 skips the tests
 #   demo     kernelforge demo $DEMO_ARGS (the example models at every level: table, JSON, plot) into demo/
 #   script   python3 $SCRIPT (one benchmark or probe script with its arguments) into script.log
 #   sweep    benchmarks/tuning/softmax_sweep.py (the Triton softmax launch configs), JSON into results/
@@ -30,9 +31,11 @@
 # at most 8 files), exactly as produced.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 KERNELFORGE_CACHE_DIR=$PWD/.kfcache
-if [ -d .whl ]; then  # peers carried as wheels (Liger-Kernel is not on the GPU image)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PWD:/tmp/site
+if [ -d .whl ]; then  # peers carried as wheels (Liger-Kernel is not on the GPU image); installed once a
+  # machine, so that several invocations started side by side (one a GPU) do not install over each other
+  [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .whl/*.whl
+  [ -d /tmp/site ] && export PYTHONPATH=$PWD:/tmp/site
 fi
 OUT=${OUT:-/tmp/kernelforge-out}
 R=$OUT/results
@@ -140,10 +143,12 @@ for stage in $stages; do
     distributed)  # a machine of 2+ GPUs: tests/distributed over NCCL (one GPU a rank; jobs needing more
                   # ranks than GPUs skip), then the training entry point on 1, 2, 4 GPUs (as many as
                   # there are) per plan in $SCALING_PLANS at a fixed batch a GPU: tokens/s a GPU, peak memory
-      NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} KERNELFORGE_DIST_BACKEND=nccl timeout "${DIST_TESTS_TIMEOUT:-300}" \
-        python3 -m pytest -q -p no:cacheprovider -rfEs -m "not gpu" tests/distributed > "$R/distributed-tests.log" 2>&1
-      status=$(( status | $? )); grep -E "^(FAILED|ERROR)" "$R/distributed-tests.log" | head -20
-      tail -n 2 "$R/distributed-tests.log"
+      if [ "${DIST_TESTS:-1}" = 1 ]; then  # DIST_TESTS=0: the scaling runs alone
+        NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} KERNELFORGE_DIST_BACKEND=nccl timeout "${DIST_TESTS_TIMEOUT:-300}" \
+          python3 -m pytest -q -p no:cacheprovider -rfEs -m "not gpu" tests/distributed > "$R/distributed-tests.log" 2>&1
+        status=$(( status | $? )); grep -E "^(FAILED|ERROR)" "$R/distributed-tests.log" | head -20
+        tail -n 2 "$R/distributed-tests.log"
+      fi
       gpus=$(nvidia-smi -L | wc -l)
       for plan in ${SCALING_PLANS:-none ddp fsdp2 tp pp}; do
         for n in 1 2 4; do
