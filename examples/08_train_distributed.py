@@ -115,6 +115,9 @@ def setup(args):
     cuda = torch.cuda.is_available() if args.device == "auto" else args.device.startswith("cuda")
     if cuda:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off
+        if local_rank >= torch.cuda.device_count():
+            raise SystemExit(f"local rank {local_rank}: one GPU a rank, and this host has {torch.cuda.device_count()}: "
+                             f"start at most that many processes a node (--nproc_per_node), or pass --device cpu")
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
@@ -153,7 +156,7 @@ def build(args, world: int, device):
     if args.parallel != "none":
         from torch.distributed.device_mesh import init_device_mesh
 
-        from kernelforge.distributed.plans import data_parallel, tensor_parallel
+        from kernelforge.distributed.plans import data_parallel, optimizer_groups, tensor_parallel
 
         if args.parallel == "pp":
             from kernelforge.distributed.pipeline import pipeline_parallel
@@ -171,7 +174,11 @@ def build(args, world: int, device):
             tensor_parallel(model, mesh, sequence_parallel=args.parallel.endswith("-sp"))
             if args.parallel.startswith("fsdp2"):
                 data_parallel(model, "fsdp2", mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        # a DTensor group and a plain one: CUDA's default foreach AdamW refuses a mix (TP's norms stay plain)
+        groups = optimizer_groups(model.parameters())
+    else:
+        groups = model.parameters()
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay)
     return model, trainer, optimizer
 
 
@@ -242,12 +249,14 @@ def save_checkpoint(directory: Path, model, optimizer, step: int, position: int)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    from kernelforge.distributed.strided import full_tensor
+
     model_state, optim_state = get_state_dict(model, optimizer, options=state_dict_options())
     state = _structure_copy({"model": model_state, "optim": optim_state,
                              "train": {"step": torch.tensor(step), "data_position": torch.tensor(position)}})
     for container, key, value in _leaves(state):
         if _strided(value):  # DCP takes a shard for a contiguous block of rows: gathered whole instead
-            container[key] = value.full_tensor()
+            container[key] = full_tensor(value)
     path = directory / f"step_{step:08d}"
     with warnings.catch_warnings():  # one process without a process group: DCP says it assumes so
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
@@ -260,6 +269,8 @@ def load_checkpoint(path: Path, model, optimizer) -> tuple[int, int]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    from kernelforge.distributed.strided import distribute_like
+
     model_state, optim_state = get_state_dict(model, optimizer, options=state_dict_options())
     state = _structure_copy({"model": model_state, "optim": optim_state,
                              "train": {"step": torch.tensor(0), "data_position": torch.tensor(0)}})
@@ -271,11 +282,8 @@ def load_checkpoint(path: Path, model, optimizer) -> tuple[int, int]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         dcp.load(state, checkpoint_id=str(path))
-    if strided:
-        from torch.distributed.tensor import distribute_tensor
-
-        for container, key, value in strided:
-            container[key] = distribute_tensor(container[key], value.device_mesh, value.placements)
+    for container, key, value in strided:
+        container[key] = distribute_like(container[key], value)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=state_dict_options())
     return int(state["train"]["step"]), int(state["train"]["data_position"])

@@ -17,7 +17,7 @@ Cross-entropy and fused linear cross-entropy over a vocabulary sharded across ra
 Not imported by `import kernelforge`: see kernelforge.distributed.sharding's docstring.
 """
 from kernelforge.distributed import matmul_sharding, sharding
-from kernelforge.distributed.plans import data_parallel, tensor_parallel
+from kernelforge.distributed.plans import data_parallel, optimizer_groups, tensor_parallel
 from kernelforge.distributed.sharding import RULES, Role, row_op_strategies
 from kernelforge.distributed.vocab_parallel import (vocab_parallel_cross_entropy,
                                                     vocab_parallel_fused_linear_cross_entropy, vocab_parallel_logits)
@@ -33,7 +33,7 @@ def enable() -> bool:
 
 enable()  # idempotent; nothing where torch.distributed is unavailable
 
-__all__ = ["RULES", "Role", "data_parallel", "enable", "row_op_strategies", "tensor_parallel"]
+__all__ = ["RULES", "Role", "data_parallel", "enable", "optimizer_groups", "row_op_strategies", "tensor_parallel"]
 __all__ += ["fully_shard_transformers", "tensor_parallel_transformers"]
 __all__ += ["LanguageModelPipeline", "pipeline_parallel"]
 __all__ += ["vocab_parallel_cross_entropy", "vocab_parallel_fused_linear_cross_entropy", "vocab_parallel_logits"]

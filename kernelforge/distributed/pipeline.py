@@ -211,9 +211,11 @@ class LanguageModelPipeline:
 
     def _run(self, ids: torch.Tensor, train: bool):
         self._check_ids(ids)
-        # every rank passes its ids: only the first stage reads the inputs, only the last the targets
-        args = (ids[:, :-1],) if self.is_first else ()
-        target = ids[:, 1:] if self.is_last else None
+        # every rank passes its ids: only the first stage reads the inputs, only the last the targets.
+        # Contiguous: torch 2.11's pipelining compares a micro-batch's strides with the stage's
+        # expected input, (T - 1, 1), and a slice of the (B, T) ids has (T, 1)
+        args = (ids[:, :-1].contiguous(),) if self.is_first else ()
+        target = ids[:, 1:].contiguous() if self.is_last else None
         losses: list = []
         with self.kernel_scope():
             if train:

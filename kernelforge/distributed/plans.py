@@ -44,6 +44,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from kernelforge.ops._common import is_dtensor
+
 
 def _linear_types():
     from kernelforge.models.transformer import Linear
@@ -260,4 +262,18 @@ def data_parallel(model, mode: str = "ddp", mesh=None, **kwargs):
     return model
 
 
-__all__ = ["data_parallel", "tensor_parallel"]
+def optimizer_groups(parameters, **options) -> list[dict]:
+    """`parameters` as torch.optim parameter groups: the DTensors in one, the plain tensors in the
+    other (empty groups left out), each with `options`. Why: torch.optim's foreach kernels, the
+    default on CUDA, take a group's tensors in one call and refuse a mix of DTensors and plain
+    tensors, and a tensor-parallel model without sequence parallelism keeps its norms' weights
+    plain (replicated activations, replicated gradients). Two groups, one call each.
+
+        optimizer = torch.optim.AdamW(optimizer_groups(model.parameters()), lr=3e-4)
+    """
+    params = list(parameters)
+    groups = [[p for p in params if is_dtensor(p)], [p for p in params if not is_dtensor(p)]]
+    return [dict(params=group, **options) for group in groups if group]
+
+
+__all__ = ["data_parallel", "optimizer_groups", "tensor_parallel"]

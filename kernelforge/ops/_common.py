@@ -5,6 +5,7 @@ alike, and its message says which argument, what was expected, and what was give
 """
 from __future__ import annotations
 
+import sys
 from typing import Callable, Sequence
 
 import torch
@@ -82,6 +83,13 @@ def triton_floats(t: torch.Tensor, *args, **options):
     if t.dtype not in GPU_FLOAT_DTYPES:
         return f"Triton kernels take float32/float16/bfloat16, got {t.dtype}"
     return why_unavailable(t.device)
+
+
+def is_dtensor(t) -> bool:
+    """Whether t is a torch.distributed DTensor, without importing torch.distributed (a DTensor
+    exists only once someone imported it)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 
 def any_inputs(*args, **options):

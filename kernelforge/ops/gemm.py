@@ -60,7 +60,7 @@ import torch
 
 from kernelforge import backends, tuning
 from kernelforge.ops import activations as activation_ops
-from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES
+from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, is_dtensor
 from kernelforge.ops._opdef import define_op, is_traced
 from kernelforge.ops.gemm_checks import ACTIVATIONS, TRITON_MODES, check_gemm
 from kernelforge.reference import gemm as reference
@@ -290,8 +290,9 @@ def _weight_grad(a, dz, b, compute, dtype):
     layout: for b = W.t() (a Linear's weight read transposed in place) as (dz^T a)^T, so W's gradient
     comes out in W's own layout. Autograd copies a parameter's gradient into the parameter's layout
     when it arrives in another (AccumulateGrad's layout contract): a strided copy of every weight's
-    gradient, on every step."""
-    if b.dim() == 2:
+    gradient, on every step. A DTensor a keeps its batch: folding it into the rows is a reshape
+    across a sharded dimension (torch 2.11 refuses it, later releases gather a whole first)."""
+    if b.dim() == 2 and not is_dtensor(a):
         K, N = a.shape[-1], dz.shape[-1]
         rows = dz.numel() // N if N else a.numel() // K if K else 0  # not -1: K or N may be 0
         a_rows = a.reshape(rows, K)  # a's batch is dz's: b has none

@@ -17,7 +17,8 @@ from typing import Optional
 import torch
 
 from kernelforge import backends
-from kernelforge.ops._common import FLOAT_DTYPES, any_inputs, check_floating, check_same, require, triton_floats
+from kernelforge.ops._common import (FLOAT_DTYPES, any_inputs, check_floating, check_same, is_dtensor, require,
+                                     triton_floats)
 from kernelforge.ops._opdef import define_op
 from kernelforge.reference.rope import angle_gradients, token_angles
 from kernelforge.reference._accumulation import accumulation_dtype
@@ -132,6 +133,23 @@ def _save(ctx, inputs, output) -> None:
     ctx.output_shapes = (q.shape, k.shape)  # for an output whose gradient is None
 
 
+def _table_gradients(grad_q, grad_k, q, k, c, positions, cos_shape, transpose):
+    """angle_gradients; for DTensors read through position ids, on each rank's shards: DTensor has
+    no sharding rule for the index_add_ into the table in every torch release (2.11), and each
+    rank's sum over its own tokens and heads is a partial sum of the table's gradient (Partial
+    where the tokens or heads are sharded, Replicate where nothing is). The last dim (the rotated
+    pairs) is never sharded by the rope rule."""
+    if positions is None or not is_dtensor(grad_q):
+        return angle_gradients(grad_q, grad_k, q, k, c, positions, cos_shape, transpose)
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    mesh, placements = grad_q.device_mesh, grad_q.placements
+    local = [t.to_local() if is_dtensor(t) else t for t in (grad_q, grad_k, q, k, c, positions)]
+    tables = angle_gradients(*local, cos_shape, transpose)
+    summed = [Replicate() if p.is_replicate() else Partial() for p in placements]
+    return tuple(DTensor.from_local(t, mesh, summed, run_check=False) for t in tables)
+
+
 def _rope_grad(ctx, grad_q, grad_k):
     # An output nobody differentiated comes as None (unused_gradients_as_none) and its input gets
     # no gradient, as in torch: a zero gradient rotated back by an infinite or NaN angle would be NaN.
@@ -152,8 +170,8 @@ def _rope_grad(ctx, grad_q, grad_k):
         cos3, sin3, positions = _angles(cos, sin, position_ids)
         c, _ = token_angles(cos3, sin3, positions, _tokens_view(q, heads_dim).shape[0],
                             accumulation_dtype(q.dtype))
-        dcos, dsin = angle_gradients(*(_tokens_view(t, heads_dim) for t in (grad_q, grad_k, q, k)), c, positions,
-                                     cos3.shape, ctx.transpose)
+        dcos, dsin = _table_gradients(*(_tokens_view(t, heads_dim) for t in (grad_q, grad_k, q, k)), c, positions,
+                                      cos3.shape, ctx.transpose)
         dcos, dsin = dcos.view(cos.shape).to(cos.dtype), dsin.view(sin.shape).to(sin.dtype)
     return dq, dk, dcos, dsin, None, None, None
 

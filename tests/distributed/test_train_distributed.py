@@ -34,6 +34,8 @@ PROGRESS = re.compile(r"^step (\d+)/(\d+)  loss (\S+)  tok/s/(?:rank|gpu) (\d+) 
 def run(tmp_path: Path, nproc: int | None, *args: str) -> dict[int, float]:
     """The script in one process (nproc None: plain python) or under torchrun; returns {step: loss}
     of its progress lines."""
+    if nproc is not None and torch.cuda.is_available() and torch.cuda.device_count() < nproc:
+        pytest.skip(f"the script runs one GPU a rank: {nproc} ranks, {torch.cuda.device_count()} GPUs")
     launcher = [sys.executable] if nproc is None else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     scratch = tmp_path / "tmp"

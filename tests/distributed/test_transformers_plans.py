@@ -53,7 +53,10 @@ def _step(model, ids):
     """One AdamW step on the causal-LM loss with labels (the patched fused loss in training): the
     loss, the gradients and the updated parameters by name (full tensors)."""
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    from kernelforge.distributed.plans import optimizer_groups
+
+    optimizer = torch.optim.AdamW(optimizer_groups(model.parameters()), lr=1e-2, weight_decay=0.1,
+                                  foreach=True)  # as on CUDA, where foreach is the default
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
     grads = {n: _full(p.grad).clone() for n, p in model.named_parameters()}
