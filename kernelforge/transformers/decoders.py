@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from kernelforge._replacements import Replacement, Replacements
+from kernelforge.ops._common import is_dtensor
 from kernelforge.ops.activations import gelu
 from kernelforge.ops.gated_activations import swiglu
 from kernelforge.ops.gated_mlp import gated_mlp
@@ -190,9 +191,27 @@ def _packed_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(swiglu(self.gate_up_proj(x)))
 
 
-def _is_dtensor(t) -> bool:
-    dtensor = sys.modules.get("torch.distributed.tensor")  # loaded by whoever made a DTensor
-    return dtensor is not None and isinstance(t, dtensor.DTensor)
+class _ConcatenatedLinear(torch.autograd.Function):
+    """x @ [W_1 | W_2 | ...]^T (+ the layers' biases concatenated) as one GEMM. The concatenated
+    weight is made again in the backward, not kept from the forward: a copy of (q + 2 kv heads) x
+    head_dim x hidden elements a layer (12 MiB at Llama-3.2-1B, 0.2 GB a step alive from forward to
+    backward) traded for one more copy in the backward (about 10 us a layer)."""
+
+    @staticmethod
+    def forward(ctx, x, bias, *weights):
+        ctx.save_for_backward(x, *weights)
+        return F.linear(x, torch.cat(weights), bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, *weights = ctx.saved_tensors
+        grad_x = grad @ torch.cat(weights) if ctx.needs_input_grad[0] else None
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_bias = rows.sum(0) if ctx.needs_input_grad[1] else None
+        grad_weights = [None] * len(weights)
+        if any(ctx.needs_input_grad[2:]):
+            grad_weights = (rows.t() @ x.reshape(-1, x.shape[-1])).split([w.shape[0] for w in weights])
+        return (grad_x, grad_bias, *grad_weights)
 
 
 def _projections(self, hidden_states):
@@ -200,15 +219,15 @@ def _projections(self, hidden_states):
     Linear layers of one dtype with or without biases alike (no adapter, hook or sharded weight:
     else each its own). Why: the backward then makes x's gradient in one GEMM, not three GEMMs and
     two adds of (tokens x hidden), and the weights' in one, and no GEMM runs at the kv heads' narrow
-    width. Cost: the three weights copied once a call ((q + 2 kv heads) x head_dim x hidden
-    elements), kept for the backward. q, k and v are views of the one output."""
+    width. q, k and v are views of the one output (_attention_forward copies what a saved view
+    would keep alive)."""
     layers = [getattr(self, name) for name in ATTENTION_PROJECTIONS]
     weights = [layer.weight for layer in layers]
     if (not plain_linears(self, ATTENTION_PROJECTIONS, bias=True) or len({w.dtype for w in weights}) != 1
-            or len({layer.bias is None for layer in layers}) != 1 or any(_is_dtensor(w) for w in weights)):
+            or len({layer.bias is None for layer in layers}) != 1 or any(is_dtensor(w) for w in weights)):
         return tuple(layer(hidden_states) for layer in layers)
     bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
-    qkv = F.linear(hidden_states, torch.cat(weights), bias)
+    qkv = _ConcatenatedLinear.apply(hidden_states, bias, *weights)
     return qkv.split([w.shape[0] for w in weights], -1)
 
 
@@ -227,6 +246,13 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         query, key, value = qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:]
     else:
         query, key, value = _projections(self, hidden_states)
+        # views of one GEMM's output: one the attention saves would keep all of it alive until the
+        # backward (q, k and v: 48 MiB a layer at Llama-3.2-1B x 8192 tokens); v copied alone is 8.
+        # q and k are too where a norm saves them; rope saves neither.
+        if value._base is not None and torch.is_grad_enabled():
+            value = value.contiguous()
+            if family.qk_norm:
+                query, key = query.contiguous(), key.contiguous()
     if family.qk_norm == "projection":
         query, key = self.q_norm(query), self.k_norm(key)
     query, key, value = query.view(hidden_shape), key.view(hidden_shape), value.view(hidden_shape)
@@ -254,7 +280,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
 def _head_forward(self, x: torch.Tensor) -> torch.Tensor:
     if self.__dict__.get("_kernelforge_pass_hidden"):
         return x
-    if _is_dtensor(self.weight) and not _is_dtensor(x):  # split by the vocabulary (transformers_plans' head="vocab")
+    if is_dtensor(self.weight) and not is_dtensor(x):  # split by the vocabulary (transformers_plans' head="vocab")
         from kernelforge.distributed.vocab_parallel import vocab_parallel_logits
 
         return vocab_parallel_logits(x, self.weight, self.bias)
@@ -275,7 +301,7 @@ def _causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ig
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     hidden = logits.reshape(-1, logits.shape[-1])
     target = shift_labels.reshape(-1).to(hidden.device)
-    loss_fn = _vocab_parallel_loss if _is_dtensor(head.weight) else fused_linear_cross_entropy
+    loss_fn = _vocab_parallel_loss if is_dtensor(head.weight) else fused_linear_cross_entropy
     if num_items_in_batch is None:
         return loss_fn(hidden, head.weight, target, head.bias, ignore_index=ignore_index, softcap=softcap)
     loss = loss_fn(hidden, head.weight, target, head.bias, ignore_index=ignore_index, reduction="sum",
