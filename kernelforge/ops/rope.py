@@ -141,9 +141,13 @@ def _table_gradients(grad_q, grad_k, q, k, c, positions, cos_shape, transpose):
     pairs) is never sharded by the rope rule."""
     if positions is None or not is_dtensor(grad_q):
         return angle_gradients(grad_q, grad_k, q, k, c, positions, cos_shape, transpose)
-    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     mesh, placements = grad_q.device_mesh, grad_q.placements
+    # the per-token angles and ids (batch or 1, seq, ...) split over the batch where the tokens are,
+    # so that each rank's rows line up (replicated ids beside batch-sharded q: a local slice)
+    by_batch = [Shard(0) if p.is_shard(0) else Replicate() for p in placements]
+    c, positions = (t.redistribute(mesh, by_batch) if is_dtensor(t) and t.shape[0] != 1 else t for t in (c, positions))
     local = [t.to_local() if is_dtensor(t) else t for t in (grad_q, grad_k, q, k, c, positions)]
     tables = angle_gradients(*local, cos_shape, transpose)
     summed = [Replicate() if p.is_replicate() else Partial() for p in placements]

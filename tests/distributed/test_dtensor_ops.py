@@ -76,6 +76,15 @@ def _cases():
         mesh, lambda q, k, c, s, ids: kf.rope(q, k, c, s, ids), [x(4, 4, 6, 8), x(4, 2, 6, 8), x(10, 8), x(10, 8),
                                                                  torch.randint(0, 10, (4, 6))],
         [S(0), S(0), R, R, S(0)], [S(0), S(0)])
+    # the same ids replicated while q and k are sharded over the batch; and q, k sharded over heads
+    cases["rope-position_ids-Replicate-q-Shard(0)"] = lambda mesh: _check(
+        mesh, lambda q, k, c, s, ids: kf.rope(q, k, c, s, ids), [x(4, 4, 6, 8), x(4, 2, 6, 8), x(10, 8), x(10, 8),
+                                                                 torch.randint(0, 10, (4, 6))],
+        [S(0), S(0), R, R, R], [S(0), S(0)])
+    cases["rope-position_ids-heads-Shard(1)"] = lambda mesh: _check(
+        mesh, lambda q, k, c, s, ids: kf.rope(q, k, c, s, ids), [x(4, 4, 6, 8), x(4, 2, 6, 8), x(10, 8), x(10, 8),
+                                                                 torch.randint(0, 10, (4, 6))],
+        [S(1), S(1), R, R, R], [S(1), S(1)])
 
     # x sharded on the reduced dim: redistributed first (the output is not sharded there), right values
     cases["softmax-Shard(reduced dim)"] = lambda mesh: _check(mesh, kf.softmax, [x(4, 8)], [S(1)], [None])
