@@ -87,3 +87,24 @@ def test_the_residual_add_joins_the_post_attention_norm_where_the_layer_is_llama
     reference = tiny_llama(family=family)
     torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
     assert len(calls) == (model.config.num_hidden_layers if layer_patched else 0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2", "phi3", "mixtral", "gpt2"])
+def test_the_patched_model_under_autocast(family):
+    # float32 weights, torch.autocast(bfloat16): the fused projection and the fused MLP multiply in
+    # bfloat16 as transformers' Linear layers do there, forward and backward (the backward of both
+    # used to meet a bfloat16 gradient and a float32 weight); loss and gradients as the unpatched
+    # model's under autocast, to bfloat16's precision
+    model, reference = tiny_llama(family=family), tiny_llama(family=family)
+    patched(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    losses = []
+    for m in (model, reference):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses.append(m(input_ids=ids, labels=ids).loss)
+        losses[-1].backward()
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-2, atol=1e-2)
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        assert b.grad.dtype == torch.float32, name
+        scale = a.grad.abs().max().item() + 1e-6
+        assert (b.grad - a.grad).abs().max().item() <= 5e-2 * scale, name

@@ -92,6 +92,21 @@ def is_dtensor(t) -> bool:
     return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 
+def autocast_matmul_dtype(device_type: str):
+    """The dtype torch.autocast runs matrix products in on this device type, None where it is off.
+    An op whose kernels multiply matrices follows it as F.linear does (the products in that dtype,
+    the weights cast for each call); its backward then sees gradients of that dtype."""
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def autocast_cast(dtype, *tensors):
+    """tensors in `dtype` (autocast's), as autocast casts a matmul's inputs: float32 / float16 /
+    bfloat16 ones (not float64, not None); differentiable casts."""
+    return tuple(t.to(dtype) if t is not None and t.dtype in GPU_FLOAT_DTYPES else t for t in tensors)
+
+
 def any_inputs(*args, **options):
     """The support predicate of a reference backend: every input (None: supported)."""
     return None

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from kernelforge.ops._common import FLOAT_DTYPES, check_floating, check_same, require
+from kernelforge.ops._common import (FLOAT_DTYPES, autocast_cast, autocast_matmul_dtype, check_floating, check_same,
+                                     require)
 from kernelforge.ops._opdef import define_op
 from kernelforge.ops.gated_activations import gated_activation_backward_and_product_op, gated_activation_op
 
@@ -129,6 +130,11 @@ def gated_mlp(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tenso
             raise TypeError(f"kernelforge.{NAME}: {arg} must be a tensor, got {type(t).__name__}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"kernelforge.{NAME}: activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+    dtype = autocast_matmul_dtype(x.device.type)
+    if dtype is not None:  # under torch.autocast: every product in its dtype, as three F.linear would be
+        x, gate_weight, up_weight, down_weight = autocast_cast(dtype, x, gate_weight, up_weight, down_weight)
+        with torch.autocast(x.device.type, enabled=False):
+            return gated_mlp_op(x, gate_weight, up_weight, down_weight, ACTIVATIONS[activation])[0]
     return gated_mlp_op(x, gate_weight, up_weight, down_weight, ACTIVATIONS[activation])[0]
 
 

@@ -60,7 +60,7 @@ import torch
 
 from kernelforge import backends, tuning
 from kernelforge.ops import activations as activation_ops
-from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, is_dtensor
+from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, autocast_cast, autocast_matmul_dtype, is_dtensor
 from kernelforge.ops._opdef import define_op, is_traced
 from kernelforge.ops.gemm_checks import ACTIVATIONS, TRITON_MODES, check_gemm
 from kernelforge.reference import gemm as reference
@@ -392,7 +392,16 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: Optional[torch.Tensor] = Non
     values accumulates in float32 (per K tile on GPUs; fp8_fast_accum=True leaves the whole K
     loop in the tensor cores' reduced-precision accumulator, as torch._scaled_mm's
     use_fast_accum) and is multiplied by scale_a * scale_b before the epilogue.
-    Differentiable in a, b, bias and residual (fp8: straight-through, backward in bf16)."""
+    Differentiable in a, b, bias and residual (fp8: straight-through, backward in bf16).
+    Under torch.autocast (precision "auto", no kernelforge.precision context, no out_dtype): the
+    float operands, bias and residual in autocast's dtype, as torch's addmm there."""
+    if precision == "auto" and out_dtype is None and _policy.mode is None:
+        autocast = autocast_matmul_dtype(a.device.type)
+        if autocast is not None and a.dtype in GPU_FLOAT_DTYPES and b.dtype in GPU_FLOAT_DTYPES:
+            a, b, bias, residual = autocast_cast(autocast, a, b, bias, residual)
+            with torch.autocast(a.device.type, enabled=False):
+                return gemm(a, b, bias=bias, activation=activation, residual=residual, precision=precision,
+                            scale_a=scale_a, scale_b=scale_b, fp8_scaling=fp8_scaling, fp8_fast_accum=fp8_fast_accum)
     act = _activation_name(activation)
     compute = resolve_compute(a, b, precision)
     a_dtype, b_dtype = a.dtype, b.dtype

@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from kernelforge._replacements import Replacement, Replacements
-from kernelforge.ops._common import is_dtensor
+from kernelforge.ops._common import autocast_cast, autocast_matmul_dtype, is_dtensor
 from kernelforge.ops.activations import gelu
 from kernelforge.ops.gated_activations import swiglu
 from kernelforge.ops.gated_mlp import gated_mlp
@@ -227,6 +227,9 @@ def _projections(self, hidden_states):
             or len({layer.bias is None for layer in layers}) != 1 or any(is_dtensor(w) for w in weights)):
         return tuple(layer(hidden_states) for layer in layers)
     bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
+    dtype = autocast_matmul_dtype(hidden_states.device.type)
+    if dtype is not None:  # under torch.autocast: the product in its dtype, as F.linear's; its backward too
+        hidden_states, bias, *weights = autocast_cast(dtype, hidden_states, bias, *weights)
     qkv = _ConcatenatedLinear.apply(hidden_states, bias, *weights)
     return qkv.split([w.shape[0] for w in weights], -1)
 

@@ -97,6 +97,29 @@ def test_compiles_without_graph_breaks():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("backend,device", backend_cases(("reference", "triton")))
+def test_under_autocast_like_three_linears(backend, device):
+    # float32 x and weights inside torch.autocast: the products in autocast's dtype as F.linear's
+    # (the backward used to multiply a bfloat16 gradient by a float32 weight and fail), the
+    # weights' gradients float32 through the casts
+    dtype = torch.bfloat16
+    x = torch.randn(3, 5, 24, device=device, requires_grad=True)
+    ws = [w.requires_grad_() for w in weights(24, 40, 24, device, torch.float32)]
+    with kf.use_backend(backend), torch.autocast(device.split(":")[0], dtype=dtype):
+        got = kf.gated_mlp(x, *ws)
+        want = written_out(x, *ws, "silu")
+    assert got.dtype == want.dtype == dtype
+    exact = [t.detach().double().requires_grad_() for t in (x, *ws)]
+    oracle = written_out(*exact, "silu")
+    assert_matches_oracle(got, want, oracle, "out", reduced=40)
+    grad = torch.randn_like(got)
+    pairs = zip(torch.autograd.grad(got, [x, *ws], grad), torch.autograd.grad(want, [x, *ws], grad),
+                torch.autograd.grad(oracle, exact, grad.double()))
+    for name, (a, b, c) in zip(("x", "gate_weight", "up_weight", "down_weight"), pairs):
+        assert a.dtype == b.dtype == torch.float32, name
+        assert_matches_oracle(a, b, c, name, reduced=40, floor_dtype=dtype)
+
+
 def test_bad_input_is_rejected():
     x = torch.randn(4, 8)
     wg, wu, wd = weights(8, 16, 8, "cpu", torch.float32)
