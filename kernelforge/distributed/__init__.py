@@ -10,6 +10,9 @@ Pipeline parallelism for the example LanguageModel on torch.distributed.pipelini
 DDP / FSDP2 on a ("pp", "dp") mesh (kernelforge.distributed.pipeline: pipeline_parallel).
 Cross-entropy and fused linear cross-entropy over a vocabulary sharded across ranks, without the
 (tokens x vocabulary) logits gathered (kernelforge.distributed.vocab_parallel).
+For training loops: optimizer_groups (a DTensor and a plain parameter group: CUDA's foreach
+optimizers refuse a mix) and kernelforge.distributed.strided (gathering TP's fused weights, which
+torch 2.11's full_tensor() cannot).
 
     import kernelforge.distributed  # noqa: F401  (or kernelforge.distributed.enable())
     y = kf.rms_norm(x_dtensor, weight_dtensor)  # runs on each rank's shard of x
