@@ -76,3 +76,46 @@ def test_a_patched_model_as_the_unpatched(build):
     for (name, a), b in zip(reference.named_parameters(), model.parameters()):
         assert b.grad.dtype == torch.float32, name
         assert (b.grad - a.grad).abs().max().item() <= 5e-2 * (a.grad.abs().max().item() + 1e-6), name
+
+
+@pytest.mark.parametrize("backend,device", backend_cases(("reference",)))
+def test_an_explicit_precision_is_computed_at_it(backend, device):
+    # precision="fp32" under autocast: the product in float32 (no torch matmul inside the backend
+    # recast to bfloat16 by autocast), equal to the call outside autocast
+    a, b = torch.randn(5, 64, device=device), torch.randn(64, 7, device=device)
+    with kf.use_backend(backend):
+        outside = kf.gemm(a, b, precision="fp32")
+        with torch.autocast(device.split(":")[0], dtype=torch.bfloat16):
+            inside = kf.gemm(a, b, precision="fp32")
+    torch.testing.assert_close(inside, outside, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend,device", backend_cases(("reference", "triton")))
+def test_fused_linear_cross_entropy_as_linear_then_cross_entropy(backend, device, monkeypatch):
+    # under autocast F.linear's logits are in autocast's dtype and F.cross_entropy runs in float32:
+    # the fused loss's GEMMs take x and the weight in autocast's dtype, the loss accumulates in float32
+    from kernelforge.ops import linear_cross_entropy
+
+    dtype = torch.float16 if backend == "triton" and device == "cpu" else torch.bfloat16
+    operand_dtypes = set()
+
+    def spy(a, b, *args, _gemm=linear_cross_entropy.gemm, **kwargs):
+        operand_dtypes.update((a.dtype, b.dtype))
+        return _gemm(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(linear_cross_entropy, "gemm", spy)
+    x = torch.randn(6, 32, device=device, requires_grad=True)
+    w = (torch.randn(50, 32, device=device) / 32 ** 0.5).requires_grad_()
+    target = torch.randint(0, 50, (6,), device=device)
+    with kf.use_backend(backend), torch.autocast(device.split(":")[0], dtype=dtype):
+        got = kf.fused_linear_cross_entropy(x, w, target)
+        want = F.cross_entropy(F.linear(x, w), target)
+    assert got.dtype == want.dtype == torch.float32
+    assert operand_dtypes == {dtype}, operand_dtypes
+    exact = [t.detach().double().requires_grad_() for t in (x, w)]
+    oracle = F.cross_entropy(F.linear(*exact), target)
+    assert_matches_oracle(got.reshape(1), want.reshape(1), oracle.reshape(1), "loss", reduced=32, floor_dtype=dtype)
+    pairs = zip(torch.autograd.grad(got, [x, w]), torch.autograd.grad(want, [x, w]), torch.autograd.grad(oracle, exact))
+    for name, (a, b, c) in zip(("x", "weight"), pairs):
+        assert a.dtype == b.dtype == torch.float32, name
+        assert_matches_oracle(a, b, c, name, reduced=50, floor_dtype=dtype)

@@ -104,7 +104,7 @@ def autocast_matmul_dtype(device_type: str):
 def autocast_cast(dtype, *tensors):
     """tensors in `dtype` (autocast's), as autocast casts a matmul's inputs: float32 / float16 /
     bfloat16 ones (not float64, not None); differentiable casts."""
-    return tuple(t.to(dtype) if t is not None and t.dtype in GPU_FLOAT_DTYPES else t for t in tensors)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in GPU_FLOAT_DTYPES else t for t in tensors)
 
 
 def any_inputs(*args, **options):

@@ -394,14 +394,18 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: Optional[torch.Tensor] = Non
     use_fast_accum) and is multiplied by scale_a * scale_b before the epilogue.
     Differentiable in a, b, bias and residual (fp8: straight-through, backward in bf16).
     Under torch.autocast (precision "auto", no kernelforge.precision context, no out_dtype): the
-    float operands, bias and residual in autocast's dtype, as torch's addmm there."""
-    if precision == "auto" and out_dtype is None and _policy.mode is None:
-        autocast = autocast_matmul_dtype(a.device.type)
-        if autocast is not None and a.dtype in GPU_FLOAT_DTYPES and b.dtype in GPU_FLOAT_DTYPES:
+    float operands, bias and residual in autocast's dtype, as torch's addmm there; a precision or
+    out_dtype named is kept (the op then runs with autocast off, so no torch matmul inside a
+    backend recasts it)."""
+    autocast = autocast_matmul_dtype(a.device.type) if isinstance(a, torch.Tensor) else None
+    if autocast is not None:
+        if (precision == "auto" and out_dtype is None and _policy.mode is None and a.dtype in GPU_FLOAT_DTYPES
+                and b.dtype in GPU_FLOAT_DTYPES):
             a, b, bias, residual = autocast_cast(autocast, a, b, bias, residual)
-            with torch.autocast(a.device.type, enabled=False):
-                return gemm(a, b, bias=bias, activation=activation, residual=residual, precision=precision,
-                            scale_a=scale_a, scale_b=scale_b, fp8_scaling=fp8_scaling, fp8_fast_accum=fp8_fast_accum)
+        with torch.autocast(a.device.type, enabled=False):
+            return gemm(a, b, bias=bias, activation=activation, residual=residual, precision=precision,
+                        out_dtype=out_dtype, scale_a=scale_a, scale_b=scale_b, fp8_scaling=fp8_scaling,
+                        fp8_fast_accum=fp8_fast_accum)
     act = _activation_name(activation)
     compute = resolve_compute(a, b, precision)
     a_dtype, b_dtype = a.dtype, b.dtype

@@ -53,7 +53,8 @@ from typing import Optional
 import torch
 
 from kernelforge import backends
-from kernelforge.ops._common import FLOAT_DTYPES, as_float, check_floating, check_same, require
+from kernelforge.ops._common import (FLOAT_DTYPES, as_float, autocast_cast, autocast_matmul_dtype, check_floating,
+                                     check_same, require)
 from kernelforge.ops._opdef import define_op, is_traced
 from kernelforge.ops.cross_entropy import OP as CROSS_ENTROPY_OP
 from kernelforge.ops.cross_entropy import REDUCTIONS, TARGET_DTYPES
@@ -353,7 +354,17 @@ def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: to
     gradient) computes its gradients in the forward, where the logits are at hand (three GEMMs,
     the unfused head's count, not four), and holds them until the backward scales them by the
     loss's gradient: so its backward runs once (no retain_graph second pass, no create_graph).
-    reduction "none" computes the logits again in the backward."""
+    reduction "none" computes the logits again in the backward.
+
+    Under torch.autocast: x, weight and bias in autocast's dtype (as F.linear's logits would be),
+    the loss still accumulated in float32; float32 parameters get float32 gradients."""
+    autocast = autocast_matmul_dtype(x.device.type) if isinstance(x, torch.Tensor) else None
+    if autocast is not None:
+        x, weight, bias = autocast_cast(autocast, x, weight, bias)
+        with torch.autocast(x.device.type, enabled=False):
+            return fused_linear_cross_entropy(x, weight, target, bias, ignore_index=ignore_index, reduction=reduction,
+                                              label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
+                                              chunk_rows=chunk_rows)
     if reduction not in REDUCTIONS:
         raise ValueError(f"kernelforge.{NAME}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
     for name, t in (("x", x), ("weight", weight), ("target", target)):
