@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from kernelforge import backends
-from kernelforge.ops._common import FLOAT_DTYPES
+from kernelforge.ops._common import FLOAT_DTYPES, autocast_cast, autocast_matmul_dtype
 from kernelforge.ops.cross_entropy import OP as CROSS_ENTROPY_OP
 from kernelforge.ops.cross_entropy import REDUCTIONS, TARGET_DTYPES
 from kernelforge.ops.gemm import gemm
@@ -416,7 +416,16 @@ def vocab_parallel_fused_linear_cross_entropy(x, weight, target, bias=None, grou
     (+ z_loss lse^2 a row) and chunk_rows (rows of local logits alive at once) as
     kernelforge.fused_linear_cross_entropy's. Gradients: dx summed over the ranks (every rank gets
     the full dx), dW and db of this rank's rows only. A "mean" or "sum" loss with a gradient to
-    come computes its gradients in the forward, so its backward needs no communication."""
+    come computes its gradients in the forward, so its backward needs no communication. Under
+    torch.autocast: x, weight and bias in autocast's dtype, as kernelforge.fused_linear_cross_entropy's."""
+    autocast = autocast_matmul_dtype(x.device.type) if isinstance(x, torch.Tensor) else None
+    if autocast is not None:
+        x, weight, bias = autocast_cast(autocast, x, weight, bias)
+        with torch.autocast(x.device.type, enabled=False):
+            return vocab_parallel_fused_linear_cross_entropy(
+                x, weight, target, bias, group, vocab_start=vocab_start, ignore_index=ignore_index,
+                reduction=reduction, label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
+                chunk_rows=chunk_rows)
     check_options(FUSED_NAME, reduction, label_smoothing, ignore_index)
     for arg, t in (("x", x), ("weight", weight)):
         check_tensor(FUSED_NAME, arg, t, FLOAT_DTYPES)

@@ -201,6 +201,31 @@ def group_of_one(mesh):
           "loss (fused)")
 
 
+def under_autocast(mesh):
+    """float32 x and weight under torch.autocast(bfloat16): as the one-process fused loss there (its
+    GEMMs in bfloat16, the loss in float32), float32 gradients."""
+    import kernelforge as kf
+    from kernelforge.distributed import vocab_parallel_fused_linear_cross_entropy
+
+    part = rank_slice(37)
+    x = torch.randn(ROWS, HIDDEN, requires_grad=True)
+    w = torch.randn(37, HIDDEN, requires_grad=True)
+    w_l = w.detach()[part].clone().requires_grad_()
+    x_l = x.detach().clone().requires_grad_()
+    t = targets(37, ignored=(3,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = vocab_parallel_fused_linear_cross_entropy(x_l, w_l, t, chunk_rows=4)
+        ref = kf.fused_linear_cross_entropy(x, w, t)
+    assert loss.dtype == ref.dtype == torch.float32
+    loss.backward()
+    ref.backward()
+    assert x_l.grad.dtype == w_l.grad.dtype == torch.float32
+    # the same bfloat16 products, summed in another order across the ranks
+    torch.testing.assert_close(loss, ref, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(x_l.grad, x.grad, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(w_l.grad, w.grad[part], rtol=2e-2, atol=2e-2)
+
+
 def bad_inputs(mesh):
     from kernelforge.distributed import vocab_parallel_cross_entropy as ce
     from kernelforge.distributed import vocab_parallel_fused_linear_cross_entropy as fused
@@ -255,6 +280,7 @@ def cases() -> dict:
     c["dtensor-weight-Shard(0)"] = dtensor_weight
     c["gradient-accumulation"] = gradient_accumulation
     c["group-of-one-rank"] = group_of_one
+    c["under-autocast"] = under_autocast
     c["bad-inputs"] = bad_inputs
     return c
 
