@@ -10,7 +10,8 @@ tokens, bf16, tied embeddings):
              151936 classes
     gemma3   Gemma-3-1B: hidden 1152, 26 layers, 4 heads of 256 over 1 kv head (q / k norms, a 512-token
              sliding window in five layers of six), GeGLU (tanh) 6912, 262144 classes, (1 + w) norms
---size tiny: a few-layer model of the same family on the CPU. --profile-dir DIR: a table of device
+--size tiny: a few-layer model of the same family on the CPU. --dtype amp: float32 weights, the
+forward and loss under torch.autocast(bfloat16) (mixed-precision training as most scripts run it). --profile-dir DIR: a table of device
 time per kernel over two more steps of each variant into DIR, and where the device sat idle in them
 (benchmarks/tools/timeline_gaps.py). --tiny: --size tiny on the CPU in float32, one timed step of kf
 (unless --variants says otherwise). Variants (each in a process of its own: Liger's patch
@@ -79,9 +80,11 @@ def build(model_name: str, size: str, device: torch.device, dtype: torch.dtype):
 
 
 def run_variant(variant: str, model_name: str, size: str, steps: int, device: torch.device, dtype: torch.dtype,
-                profile_dir: str | None = None) -> dict:
-    """One variant's step time (median of `steps` after two warm-up steps), peak memory, first loss."""
+                profile_dir: str | None = None, amp: bool = False) -> dict:
+    """One variant's step time (median of `steps` after two warm-up steps), peak memory, first loss.
+    amp: float32 weights, the forward and loss under torch.autocast(bfloat16)."""
     model, ids = build(model_name, size, device, dtype)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp)
     base, _, compiled = variant.partition("+")
     if base == "compile":  # torch.compile alone
         base, compiled = "eager", "compile"
@@ -100,7 +103,8 @@ def run_variant(variant: str, model_name: str, size: str, steps: int, device: to
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
     def step() -> float:
-        loss = forward(input_ids=ids, labels=ids).loss
+        with autocast:
+            loss = forward(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -153,7 +157,8 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", help=f"default {','.join(VARIANTS)} (--tiny: kf)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--dtype", choices=("bf16", "fp32", "amp"), default="bf16",
+                        help="amp: float32 weights, forward and loss under torch.autocast(bfloat16)")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # one variant, run in this process
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--profile-dir", help="also profile two steps of each variant: a kernel table a variant here")
@@ -161,10 +166,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.variants = args.variants or ("kf" if args.tiny else ",".join(VARIANTS))
     if args.tiny:
-        args.size, args.device, args.dtype, args.steps = "tiny", "cpu", "fp32", 1
+        args.size, args.device, args.steps = "tiny", "cpu", 1
+        args.dtype = "amp" if args.dtype == "amp" else "fp32"
     device, dtype = torch.device(args.device), torch.bfloat16 if args.dtype == "bf16" else torch.float32
     if args.child:
-        print(json.dumps(run_variant(args.child, args.model, args.size, args.steps, device, dtype, args.profile_dir)))
+        print(json.dumps(run_variant(args.child, args.model, args.size, args.steps, device, dtype, args.profile_dir,
+                                     amp=args.dtype == "amp")))
         return 0
     # each variant's row as soon as it is measured (a run cut off by a time limit keeps what it has)
     print(f"transformers {args.model}, size {args.size}, {args.dtype}, {device}: train step (forward, loss, backward, "

@@ -27,3 +27,13 @@ def test_a_failing_variant_is_reported(capsys):
     out = capsys.readouterr().out
     assert "nonsense         failed: ValueError: unknown variant 'nonsense'" in out
     assert "eager" in out and "1.00x" in out
+
+
+def test_under_autocast_the_patched_model_trains_as_eager():
+    # --dtype amp: float32 weights under torch.autocast(bfloat16); kf.patch's first loss as eager's
+    # to bfloat16's precision (its backward failed under autocast before bd04d01)
+    script = load_script("hf_train_step")
+    device = torch.device("cpu")
+    eager = script.run_variant("eager", "llama", "tiny", 1, device, torch.float32, amp=True)
+    patched = script.run_variant("kf", "llama", "tiny", 1, device, torch.float32, amp=True)
+    torch.testing.assert_close(patched["first_loss"], eager["first_loss"], rtol=1e-2, atol=1e-2)
