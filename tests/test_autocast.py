@@ -119,3 +119,17 @@ def test_fused_linear_cross_entropy_as_linear_then_cross_entropy(backend, device
     for name, (a, b, c) in zip(("x", "weight"), pairs):
         assert a.dtype == b.dtype == torch.float32, name
         assert_matches_oracle(a, b, c, name, reduced=50, floor_dtype=dtype)
+
+
+def test_gemm_under_autocast_compiles_whole():
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, 5, requires_grad=True)
+
+    def f(x, w):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return kf.gemm(x, w, activation="gelu")
+
+    torch._dynamo.reset()
+    got = torch.compile(f, backend="aot_eager", fullgraph=True)(x, w)
+    want = f(x, w)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want)

@@ -108,3 +108,24 @@ def test_the_patched_model_under_autocast(family):
         assert b.grad.dtype == torch.float32, name
         scale = a.grad.abs().max().item() + 1e-6
         assert (b.grad - a.grad).abs().max().item() <= 5e-2 * scale, name
+
+
+def test_the_patched_model_under_autocast_compiles_whole():
+    # torch.compile(fullgraph=True) over the autocast region: the autocast queries at the fused
+    # projection and MLP trace (no graph break), the loss and gradients as eager's
+    model, reference = tiny_llama(), tiny_llama()
+    patched(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+
+    def loss_of(m):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(input_ids=ids, labels=ids).loss
+
+    torch._dynamo.reset()
+    got = torch.compile(loss_of, backend="aot_eager", fullgraph=True)(model)
+    want = loss_of(reference)
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        assert (b.grad - a.grad).abs().max().item() <= 5e-2 * (a.grad.abs().max().item() + 1e-6), name
