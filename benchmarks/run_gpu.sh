@@ -23,6 +23,8 @@
 #   distributed  (2+ GPUs) tests/distributed over NCCL, then examples/08_train_distributed.py on 1, 2, 4 GPUs
 #            per plan ($SCALING_PLANS, $SCALING_BATCH sequences a GPU, $SCALING_ARGS): scaling.log;
 #            DIST_TESTS=0 skips the tests
+#   allreduce  (2+ GPUs) benchmarks/tools/allreduce_probe.py on every GPU under torchrun: all-reduce bandwidth
+#            and the GPUs' links, into allreduce.log
 #   demo     kernelforge demo $DEMO_ARGS (the example models at every level: table, JSON, plot) into demo/
 #   script   python3 $SCRIPT (one benchmark or probe script with its arguments) into script.log
 #   sweep    benchmarks/tuning/softmax_sweep.py (the Triton softmax launch configs), JSON into results/
@@ -168,6 +170,10 @@ for stage in $stages; do
         done
       done
       grep -E "^== |^step [0-9]+/[0-9]+ .*tok/s" "$R/scaling.log" | tail -n 40 ;;
+    allreduce)
+      NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} timeout 180 torchrun --standalone --nproc_per_node "$(nvidia-smi -L | wc -l)" \
+        benchmarks/tools/allreduce_probe.py > "$R/allreduce.log" 2>&1
+      status=$(( status | $? )); head -n 8 "$R/allreduce.log" ;;
     demo)
       timeout "${DEMO_TIMEOUT:-400}" python3 -m kernelforge.cli demo --out "$R/demo" ${DEMO_ARGS:-} > "$R/demo.log" 2>&1
       status=$(( status | $? )); tail -n 30 "$R/demo.log" ;;

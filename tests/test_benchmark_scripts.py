@@ -33,6 +33,7 @@ RUNNABLE = {
     "benchmarks/tuning/decode_sweep.py": True,
     "benchmarks/tuning/gemm_sweep.py": False,
     "benchmarks/tuning/softmax_sweep.py": False,
+    "benchmarks/tools/allreduce_probe.py": False,
     "benchmarks/tools/decode_bench.py": False,
     "benchmarks/tools/gemm_overhead.py": False,
     "benchmarks/tools/hf_train_step.py": True,  # also tests/bench/test_hf_train_step.py
