@@ -9,7 +9,7 @@ transformers imported only when they run).
 Pipeline parallelism for the example LanguageModel on torch.distributed.pipelining, alone or with
 DDP / FSDP2 on a ("pp", "dp") mesh (kernelforge.distributed.pipeline: pipeline_parallel).
 Cross-entropy and fused linear cross-entropy over a vocabulary sharded across ranks, without the
-(tokens x vocabulary) logits gathered (kernelforge.distributed.vocab_parallel).
+(tokens x vocabulary) logits gathered (kernelforge.distributed.vocab_parallel, vocab_parallel_fused).
 For training loops: optimizer_groups (a DTensor and a plain parameter group: CUDA's foreach
 optimizers refuse a mix) and kernelforge.distributed.strided (gathering TP's fused weights, which
 torch 2.11's full_tensor() cannot).
@@ -22,8 +22,8 @@ Not imported by `import kernelforge`: see kernelforge.distributed.sharding's doc
 from kernelforge.distributed import matmul_sharding, sharding
 from kernelforge.distributed.plans import data_parallel, optimizer_groups, tensor_parallel
 from kernelforge.distributed.sharding import RULES, Role, row_op_strategies
-from kernelforge.distributed.vocab_parallel import (vocab_parallel_cross_entropy,
-                                                    vocab_parallel_fused_linear_cross_entropy, vocab_parallel_logits)
+from kernelforge.distributed.vocab_parallel import vocab_parallel_cross_entropy
+from kernelforge.distributed.vocab_parallel_fused import vocab_parallel_fused_linear_cross_entropy, vocab_parallel_logits
 from kernelforge.distributed.pipeline import LanguageModelPipeline, pipeline_parallel
 from kernelforge.distributed.transformers_plans import fully_shard_transformers, tensor_parallel_transformers
 

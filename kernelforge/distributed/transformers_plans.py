@@ -26,7 +26,7 @@ torch.distributed.tensor.parallel.parallelize_module over the 1-D `mesh`:
   - the norms replicated, and the LM head replicated (plain parameters: the patched loss,
     kf.fused_linear_cross_entropy over the replicated hidden states, reads the full head weight)
     or, with head="vocab", split by the vocabulary: each rank the rows of its classes, the patched
-    loss kernelforge.distributed.vocab_parallel's fused loss (the logits never gathered: each rank
+    loss kernelforge.distributed.vocab_parallel_fused's loss (the logits never gathered: each rank
     computes its classes' part of the head's GEMMs), the logits of evaluation and generation
     gathered (vocab_parallel_logits); an unpatched head gets torch's ColwiseParallel.
 Training and forward passes; generation with a cache sized from the config (a StaticCache) does
@@ -147,7 +147,7 @@ def tensor_parallel_transformers(model, mesh, embeddings: str = "auto", head: st
     embeddings: "rowwise" (vocabulary-sharded), "replicate", or "auto": row-wise unless the LM
     head is tied to them and replicated. head: "replicate" (every rank the whole head: the fused
     loss reads it whole) or "vocab" (each rank its classes' rows: the loss through
-    kernelforge.distributed.vocab_parallel, the logits never gathered in training; a tied head
+    kernelforge.distributed.vocab_parallel_fused, the logits never gathered in training; a tied head
     takes the row-wise embeddings' parameter). Every rank must pass the same model (same seed or
     checkpoint): each keeps its shards of it."""
     from torch.distributed.tensor import Replicate

@@ -39,7 +39,7 @@ a sum over num_items_in_batch under gradient accumulation). The output then has 
 they were never made. In training only (as Liger-Kernel's does): in eval mode, without labels, or
 with return_dict=False, the forward is transformers' as it was. A head whose weight is split over
 the vocabulary (kernelforge.distributed.transformers_plans, head="vocab") takes the loss through
-kernelforge.distributed.vocab_parallel and gathers its logits where they are asked for.
+kernelforge.distributed.vocab_parallel_fused and gathers its logits where they are asked for.
 """
 from __future__ import annotations
 
@@ -284,7 +284,7 @@ def _head_forward(self, x: torch.Tensor) -> torch.Tensor:
     if self.__dict__.get("_kernelforge_pass_hidden"):
         return x
     if is_dtensor(self.weight) and not is_dtensor(x):  # split by the vocabulary (transformers_plans' head="vocab")
-        from kernelforge.distributed.vocab_parallel import vocab_parallel_logits
+        from kernelforge.distributed.vocab_parallel_fused import vocab_parallel_logits
 
         return vocab_parallel_logits(x, self.weight, self.bias)
     return F.linear(x, self.weight, self.bias)
@@ -292,7 +292,7 @@ def _head_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 def _vocab_parallel_loss(*args, **options) -> torch.Tensor:
     """The fused loss of a vocabulary-sharded head: each rank its classes, the logits never gathered."""
-    from kernelforge.distributed.vocab_parallel import vocab_parallel_fused_linear_cross_entropy
+    from kernelforge.distributed.vocab_parallel_fused import vocab_parallel_fused_linear_cross_entropy
 
     return vocab_parallel_fused_linear_cross_entropy(*args, **options).to_local()  # a Replicate DTensor's value
 
