@@ -13,7 +13,7 @@ import torch.distributed as dist
 from kernelforge.distributed.vocab_parallel import (FUSED_NAME, Layout, Options, check_options, check_target,
                                                     check_tensor, global_losses, make_layout, mesh_layout_start,
                                                     reduce_rows, replicated, slice_gradient_, unwrap_dtensor)
-from kernelforge.ops._common import FLOAT_DTYPES, autocast_cast, autocast_matmul_dtype
+from kernelforge.ops._common import FLOAT_DTYPES, follows_autocast
 from kernelforge.ops.gemm import gemm
 from kernelforge.ops.linear_cross_entropy import default_chunk_rows
 from kernelforge.reference._accumulation import accumulation_dtype
@@ -111,6 +111,7 @@ class FusedReducedLoss(torch.autograd.Function):
         return (*grads, None, None, None, None, None)
 
 
+@follows_autocast("x", "weight", "bias")
 def vocab_parallel_fused_linear_cross_entropy(x, weight, target, bias=None, group=None, *,
                                               vocab_start: Optional[int] = None, ignore_index: int = -100,
                                               reduction: str = "mean", label_smoothing: float = 0.0,
@@ -129,14 +130,6 @@ def vocab_parallel_fused_linear_cross_entropy(x, weight, target, bias=None, grou
     the full dx), dW and db of this rank's rows only. A "mean" or "sum" loss with a gradient to
     come computes its gradients in the forward, so its backward needs no communication. Under
     torch.autocast: x, weight and bias in autocast's dtype, as kernelforge.fused_linear_cross_entropy's."""
-    autocast = autocast_matmul_dtype(x.device.type) if isinstance(x, torch.Tensor) else None
-    if autocast is not None:
-        x, weight, bias = autocast_cast(autocast, x, weight, bias)
-        with torch.autocast(x.device.type, enabled=False):
-            return vocab_parallel_fused_linear_cross_entropy(
-                x, weight, target, bias, group, vocab_start=vocab_start, ignore_index=ignore_index,
-                reduction=reduction, label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
-                chunk_rows=chunk_rows)
     check_options(FUSED_NAME, reduction, label_smoothing, ignore_index)
     for arg, t in (("x", x), ("weight", weight)):
         check_tensor(FUSED_NAME, arg, t, FLOAT_DTYPES)

@@ -5,8 +5,10 @@ alike, and its message says which argument, what was expected, and what was give
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -105,6 +107,33 @@ def autocast_cast(dtype, *tensors):
     """tensors in `dtype` (autocast's), as autocast casts a matmul's inputs: float32 / float16 /
     bfloat16 ones (not float64, not None); differentiable casts."""
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in GPU_FLOAT_DTYPES else t for t in tensors)
+
+
+def follows_autocast(*cast: str, when: Optional[Callable[[inspect.BoundArguments], bool]] = None):
+    """Decorates an op's public function whose kernels multiply matrices so that under torch.autocast
+    it runs as torch's matmul ops do there: the float arguments named in `cast` (the first argument's
+    device type decides) in autocast's dtype, where `when(bound arguments)` allows it (always if no
+    `when`), and the call itself with autocast off, so that no torch op inside a backend recasts what
+    the op computes (its backward then sees gradients in the dtype its forward ran in). Outside
+    autocast the function runs as it is, after one autocast query (0.3 us)."""
+    def decorate(fn):
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            first = args[0] if args else None
+            dtype = autocast_matmul_dtype(first.device.type) if isinstance(first, torch.Tensor) else None
+            if dtype is None:
+                return fn(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
+            if when is None or when(bound):
+                for name in cast:
+                    if name in bound.arguments:
+                        bound.arguments[name] = autocast_cast(dtype, bound.arguments[name])[0]
+            with torch.autocast(first.device.type, enabled=False):
+                return fn(*bound.args, **bound.kwargs)
+        return call
+    return decorate
 
 
 def any_inputs(*args, **options):

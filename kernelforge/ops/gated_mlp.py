@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from kernelforge.ops._common import (FLOAT_DTYPES, autocast_cast, autocast_matmul_dtype, check_floating, check_same,
-                                     require)
+from kernelforge.ops._common import FLOAT_DTYPES, check_floating, check_same, follows_autocast, require
 from kernelforge.ops._opdef import define_op
 from kernelforge.ops.gated_activations import gated_activation_backward_and_product_op, gated_activation_op
 
@@ -117,6 +116,7 @@ gated_mlp_op = define_op(
     impl=_forward, fake=_fake_forward, setup_context=_save, backward=_gradient, helper_outputs=(1, 2))
 
 
+@follows_autocast("x", "gate_weight", "up_weight", "down_weight")  # every product, as three F.linear's
 def gated_mlp(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor, down_weight: torch.Tensor,
               activation: str = "silu") -> torch.Tensor:
     """down(act(x @ gate_weight.T) * (x @ up_weight.T)): a Llama-style MLP (gate_proj, up_proj,
@@ -130,11 +130,6 @@ def gated_mlp(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tenso
             raise TypeError(f"kernelforge.{NAME}: {arg} must be a tensor, got {type(t).__name__}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"kernelforge.{NAME}: activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
-    dtype = autocast_matmul_dtype(x.device.type)
-    if dtype is not None:  # under torch.autocast: every product in its dtype, as three F.linear would be
-        x, gate_weight, up_weight, down_weight = autocast_cast(dtype, x, gate_weight, up_weight, down_weight)
-        with torch.autocast(x.device.type, enabled=False):
-            return gated_mlp_op(x, gate_weight, up_weight, down_weight, ACTIVATIONS[activation])[0]
     return gated_mlp_op(x, gate_weight, up_weight, down_weight, ACTIVATIONS[activation])[0]
 
 

@@ -60,7 +60,7 @@ import torch
 
 from kernelforge import backends, tuning
 from kernelforge.ops import activations as activation_ops
-from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, autocast_cast, autocast_matmul_dtype, is_dtensor
+from kernelforge.ops._common import FLOAT_DTYPES, GPU_FLOAT_DTYPES, follows_autocast, is_dtensor
 from kernelforge.ops._opdef import define_op, is_traced
 from kernelforge.ops.gemm_checks import ACTIVATIONS, TRITON_MODES, check_gemm
 from kernelforge.reference import gemm as reference
@@ -369,6 +369,16 @@ gemm_op = define_op(
 
 
 # ----------------------------------------------------------------------------- public function
+def _autocast_casts(call) -> bool:
+    """Whether a gemm call under autocast takes autocast's dtype: precision "auto", no out_dtype, no
+    kernelforge.precision context, float (not float8 / float64) operands; else it keeps its own."""
+    arguments = call.arguments
+    return (arguments.get("precision", "auto") == "auto" and arguments.get("out_dtype") is None
+            and _policy.mode is None and getattr(arguments["a"], "dtype", None) in GPU_FLOAT_DTYPES
+            and getattr(arguments["b"], "dtype", None) in GPU_FLOAT_DTYPES)
+
+
+@follows_autocast("a", "b", "bias", "residual", when=_autocast_casts)
 def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: Optional[torch.Tensor] = None, activation: Optional[str] = None,
          residual: Optional[torch.Tensor] = None, precision: str = "auto", out_dtype: Optional[torch.dtype] = None,
          scale_a: Optional[torch.Tensor] = None, scale_b: Optional[torch.Tensor] = None,
@@ -397,15 +407,6 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: Optional[torch.Tensor] = Non
     float operands, bias and residual in autocast's dtype, as torch's addmm there; a precision or
     out_dtype named is kept (the op then runs with autocast off, so no torch matmul inside a
     backend recasts it)."""
-    autocast = autocast_matmul_dtype(a.device.type) if isinstance(a, torch.Tensor) else None
-    if autocast is not None:
-        if (precision == "auto" and out_dtype is None and _policy.mode is None and a.dtype in GPU_FLOAT_DTYPES
-                and b.dtype in GPU_FLOAT_DTYPES):
-            a, b, bias, residual = autocast_cast(autocast, a, b, bias, residual)
-        with torch.autocast(a.device.type, enabled=False):
-            return gemm(a, b, bias=bias, activation=activation, residual=residual, precision=precision,
-                        out_dtype=out_dtype, scale_a=scale_a, scale_b=scale_b, fp8_scaling=fp8_scaling,
-                        fp8_fast_accum=fp8_fast_accum)
     act = _activation_name(activation)
     compute = resolve_compute(a, b, precision)
     a_dtype, b_dtype = a.dtype, b.dtype

@@ -53,8 +53,7 @@ from typing import Optional
 import torch
 
 from kernelforge import backends
-from kernelforge.ops._common import (FLOAT_DTYPES, as_float, autocast_cast, autocast_matmul_dtype, check_floating,
-                                     check_same, require)
+from kernelforge.ops._common import FLOAT_DTYPES, as_float, check_floating, check_same, follows_autocast, require
 from kernelforge.ops._opdef import define_op, is_traced
 from kernelforge.ops.cross_entropy import OP as CROSS_ENTROPY_OP
 from kernelforge.ops.cross_entropy import REDUCTIONS, TARGET_DTYPES
@@ -330,6 +329,7 @@ linear_cross_entropy_reduced_op = define_op(
     setup_context=_save_gradients, backward=_scaled_gradients, helper_outputs=(1, 2, 3))
 
 
+@follows_autocast("x", "weight", "bias")  # the logits' GEMMs, as F.linear's; the loss in float32 still
 def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                                bias: Optional[torch.Tensor] = None, *, ignore_index: int = -100,
                                reduction: str = "mean", label_smoothing: float = 0.0,
@@ -358,13 +358,6 @@ def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: to
 
     Under torch.autocast: x, weight and bias in autocast's dtype (as F.linear's logits would be),
     the loss still accumulated in float32; float32 parameters get float32 gradients."""
-    autocast = autocast_matmul_dtype(x.device.type) if isinstance(x, torch.Tensor) else None
-    if autocast is not None:
-        x, weight, bias = autocast_cast(autocast, x, weight, bias)
-        with torch.autocast(x.device.type, enabled=False):
-            return fused_linear_cross_entropy(x, weight, target, bias, ignore_index=ignore_index, reduction=reduction,
-                                              label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
-                                              chunk_rows=chunk_rows)
     if reduction not in REDUCTIONS:
         raise ValueError(f"kernelforge.{NAME}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
     for name, t in (("x", x), ("weight", weight), ("target", target)):
