@@ -133,3 +133,22 @@ def test_gemm_under_autocast_compiles_whole():
     want = f(x, w)
     assert got.dtype == want.dtype == torch.bfloat16
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_autocast_query_compiles_whole_where_dynamo_cannot_ask_for_autocast(monkeypatch, autocast):
+    # torch 2.11's Dynamo cannot trace torch._C._is_autocast_available (2.13's folds it to a
+    # constant): every fullgraph compile of a model on kf.gemm / kf.gated_mlp / the fused losses
+    # broke there (the example models' decode step at the compile and fastest levels). Made
+    # untraceable here too: the ops must not ask on a CPU or a GPU, where autocast always exists.
+    monkeypatch.setattr(torch.amp, "is_autocast_available", torch._dynamo.disable(torch.amp.is_autocast_available))
+    x, w = torch.randn(4, 8), torch.randn(8, 5)
+
+    def f(x, w):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return kf.gemm(x, w)
+
+    torch._dynamo.reset()
+    got = torch.compile(f, backend="eager", fullgraph=True)(x, w)
+    assert got.dtype == (torch.bfloat16 if autocast else torch.float32)
+    torch.testing.assert_close(got, f(x, w))

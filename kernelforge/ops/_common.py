@@ -98,7 +98,11 @@ def autocast_matmul_dtype(device_type: str):
     """The dtype torch.autocast runs matrix products in on this device type, None where it is off.
     An op whose kernels multiply matrices follows it as F.linear does (the products in that dtype,
     the weights cast for each call); its backward then sees gradients of that dtype."""
-    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+    # CPU and CUDA always have autocast: asking would be a graph break under torch 2.11's Dynamo
+    # (torch._C._is_autocast_available is untraceable there), in every compiled model with these ops
+    if device_type not in ("cpu", "cuda") and not torch.amp.is_autocast_available(device_type):
+        return None
+    if not torch.is_autocast_enabled(device_type):
         return None
     return torch.get_autocast_dtype(device_type)
 
