@@ -39,6 +39,7 @@ RUNNABLE = {
     "benchmarks/tools/hf_train_step.py": True,  # also tests/bench/test_hf_train_step.py
     "benchmarks/tools/host_overhead.py": True,  # also tests/bench/test_host_overhead.py
     "benchmarks/tools/linear_cross_entropy_head.py": False,
+    "benchmarks/tools/memory_peak.py": False,
     "benchmarks/tools/model_profile.py": True,  # also tests/bench/test_model_profile.py
     "benchmarks/tools/profile_ops.py": True,
     "benchmarks/tools/repeat_timing.py": False,

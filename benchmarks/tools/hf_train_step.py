@@ -11,9 +11,13 @@ tokens, bf16, tied embeddings):
     gemma3   Gemma-3-1B: hidden 1152, 26 layers, 4 heads of 256 over 1 kv head (q / k norms, a 512-token
              sliding window in five layers of six), GeGLU (tanh) 6912, 262144 classes, (1 + w) norms
 --size tiny: a few-layer model of the same family on the CPU. --dtype amp: float32 weights, the
-forward and loss under torch.autocast(bfloat16) (mixed-precision training as most scripts run it). --profile-dir DIR: a table of device
-time per kernel over two more steps of each variant into DIR, and where the device sat idle in them
-(benchmarks/tools/timeline_gaps.py). --tiny: --size tiny on the CPU in float32, one timed step of kf
+forward and loss under torch.autocast(bfloat16) (mixed-precision training as most scripts run it).
+--profile-dir DIR: a table of device time per kernel over two more steps of each variant into DIR,
+and where the device sat idle in them (benchmarks/tools/timeline_gaps.py). --memory-dir DIR (a GPU):
+what is alive at the timed steps' peak, from the allocator's history recorded over them
+(benchmarks/tools/memory_peak.py; the recording costs host time: those step times compare with
+nothing). Each timed step's peak memory is in the JSON (peak_mib_per_step). --tiny: --size tiny on
+the CPU in float32, one timed step of kf
 (unless --variants says otherwise). Variants (each in a process of its own: Liger's patch
 changes transformers' classes for the whole process, kf.patch changes nothing global):
     eager            the model as transformers builds it
@@ -25,6 +29,7 @@ Each variant's first loss is printed: the same initialization and batch give the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import subprocess
@@ -80,7 +85,7 @@ def build(model_name: str, size: str, device: torch.device, dtype: torch.dtype):
 
 
 def run_variant(variant: str, model_name: str, size: str, steps: int, device: torch.device, dtype: torch.dtype,
-                profile_dir: str | None = None, amp: bool = False) -> dict:
+                profile_dir: str | None = None, amp: bool = False, memory_dir: str | None = None) -> dict:
     """One variant's step time (median of `steps` after two warm-up steps), peak memory, first loss.
     amp: float32 weights, the forward and loss under torch.autocast(bfloat16)."""
     model, ids = build(model_name, size, device, dtype)
@@ -112,21 +117,32 @@ def run_variant(variant: str, model_name: str, size: str, steps: int, device: to
 
     first = float(step())
     step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    times.sort()
-    peak = torch.cuda.max_memory_allocated() / 2 ** 20 if device.type == "cuda" else float("nan")
+    times, peaks = [], []  # each timed step's time and its peak memory (MiB)
+    memory = contextlib.nullcontext([])
+    if memory_dir and device.type == "cuda":
+        from benchmarks.tools.memory_peak import recording
+
+        memory = recording(device)
+    with memory as memory_report:
+        for _ in range(steps):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            peaks.append(torch.cuda.max_memory_allocated() / 2 ** 20 if device.type == "cuda" else float("nan"))
     if profile_dir:
         _profile(step, f"{model_name}-{variant}", profile_dir)
-    return dict(variant=variant, step_ms=times[len(times) // 2] * 1e3, peak_mib=peak, first_loss=first, note=note)
+    if memory_report:
+        path = Path(memory_dir) / f"{model_name}-{variant}-memory.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{model_name} {variant}: the {steps} timed steps (under the allocator's recording)\n"
+                        f"{memory_report[0]}")
+    return dict(variant=variant, step_ms=sorted(times)[len(times) // 2] * 1e3, peak_mib=max(peaks),
+                peak_mib_per_step=peaks, first_loss=first, note=note)
 
 
 def _profile(step, variant: str, directory: str) -> None:
@@ -162,6 +178,7 @@ def main(argv=None) -> int:
     parser.add_argument("--child", help=argparse.SUPPRESS)  # one variant, run in this process
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--profile-dir", help="also profile two steps of each variant: a kernel table a variant here")
+    parser.add_argument("--memory-dir", help="a GPU: what is alive at the timed steps' peak, a variant here (slows the steps)")
     parser.add_argument("--tiny", action="store_true", help="the tiny model on the CPU: checks the script runs")
     args = parser.parse_args(argv)
     args.variants = args.variants or ("kf" if args.tiny else ",".join(VARIANTS))
@@ -171,7 +188,7 @@ def main(argv=None) -> int:
     device, dtype = torch.device(args.device), torch.bfloat16 if args.dtype == "bf16" else torch.float32
     if args.child:
         print(json.dumps(run_variant(args.child, args.model, args.size, args.steps, device, dtype, args.profile_dir,
-                                     amp=args.dtype == "amp")))
+                                     amp=args.dtype == "amp", memory_dir=args.memory_dir)))
         return 0
     # each variant's row as soon as it is measured (a run cut off by a time limit keeps what it has)
     print(f"transformers {args.model}, size {args.size}, {args.dtype}, {device}: train step (forward, loss, backward, "
@@ -182,6 +199,7 @@ def main(argv=None) -> int:
         command = [sys.executable, __file__, "--child", variant, "--model", args.model, "--size", args.size,
                    "--steps", str(args.steps), "--device", args.device, "--dtype", args.dtype]
         command += ["--profile-dir", args.profile_dir] if args.profile_dir else []
+        command += ["--memory-dir", args.memory_dir] if args.memory_dir else []
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
