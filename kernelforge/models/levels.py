@@ -12,10 +12,11 @@ and a sixth, the fastest way kernelforge knows to run the model:
     fastest      torch.compile of the model with kernelforge's kernels where they win (traced into the
                  graph: Inductor launches their Triton kernels and fuses around them) and torch's
                  elsewhere (FastestKernels says which, and the measurement behind each: today only
-                 the loss), captured in CUDA graphs (mode="reduce-overhead") on a GPU. As with any CUDA-graphed model, a
-                 call's outputs live in the graphs' memory until the next call reuses it: clone what
-                 you keep across calls (reading a reused output raises), and train with
-                 zero_grad(set_to_none=True)
+                 the loss), captured in CUDA graphs (mode="reduce-overhead") on a GPU where the
+                 model's CUDA_GRAPHS says so (all but the GNN, whose batches change shape). As with
+                 any CUDA-graphed model, a call's outputs live in the graphs' memory until the next
+                 call reuses it: clone what you keep across calls (reading a reused output raises),
+                 and train with zero_grad(set_to_none=True)
 
 Every level runs the same modules with the same parameters. A model's components call the few
 functions that differ between levels through a kernel set (`TorchKernels` or
@@ -321,6 +322,10 @@ class LevelledModel(Component):
     # Methods the compile level compiles as one whole graph in CUDA graphs on a GPU, as the fastest
     # level compiles every method: a decode step (static shapes, called once a token, launch-bound).
     WHOLE_GRAPH_METHODS: tuple = ()
+    # Whether those whole graphs are captured in CUDA graphs on a GPU, with static shapes (the
+    # callers bucket them). A model whose inputs change shape from call to call and whose calls are
+    # long enough to hide their launches gains nothing from graphs and pays a capture a shape.
+    CUDA_GRAPHS: bool = True
 
     def _init_level(self, level: str) -> None:
         """Call at the end of a subclass's __init__: shares one KernelChoice with every
@@ -381,10 +386,16 @@ class LevelledModel(Component):
             options = {}
             if whole:
                 device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
-                options = {"fullgraph": True, "dynamic": False,
-                           **({"mode": "reduce-overhead"} if device.type == "cuda" else {})}
+                options = self.whole_graph_options(device)
             compiled = self._wrapped[method] = torch.compile(getattr(self, method), **options)
         return compiled
+
+    def whole_graph_options(self, device: torch.device) -> dict:
+        """torch.compile's options for a whole-graph method on `device`: one graph, and with
+        CUDA_GRAPHS static shapes and, on a GPU, CUDA graphs (mode="reduce-overhead")."""
+        if not self.CUDA_GRAPHS:
+            return {"fullgraph": True}
+        return {"fullgraph": True, "dynamic": False, **({"mode": "reduce-overhead"} if device.type == "cuda" else {})}
 
     def __getstate__(self):
         # traces and compiled graphs hold the model itself: a copy starts without them
@@ -411,7 +422,7 @@ class LevelledModel(Component):
             self.kernels.ops = FASTEST_KERNELS
             try:
                 compiled = self._compiled(method, inputs, whole=True)
-                if any(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs):
+                if self.CUDA_GRAPHS and any(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs):
                     # each call a new step of the CUDA graphs: the last call's outputs may be reused
                     torch.compiler.cudagraph_mark_step_begin()
                 return compiled(*inputs)

@@ -40,8 +40,9 @@ def _workloads():
 @pytest.mark.parametrize("kernel_set", ["fastest", "kernelforge"])
 @pytest.mark.parametrize("name", ["lm-forward", "lm-loss", "vit-forward", "gnn-forward"])
 def test_reduce_overhead_captures_whole_graphs(name, kernel_set):
-    """'fastest': the fastest level as it runs. 'kernelforge': every function on kernelforge's ops
-    (opaque GEMM and attention included) compiled with reduce-overhead: each must be capturable."""
+    """'fastest': the fastest level as it runs (the GNN's without CUDA graphs: its CUDA_GRAPHS).
+    'kernelforge': every function on kernelforge's ops (opaque GEMM and attention included) compiled
+    with reduce-overhead: each must be capturable."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()

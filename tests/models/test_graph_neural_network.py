@@ -8,10 +8,11 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 from kernelforge import backends
 from kernelforge.models import (GraphNeuralNetwork, GraphNeuralNetworkConfig, KernelOptimizedGraphNeuralNetwork,
-                                LevelUnavailableError, why_level_unavailable)
+                                LanguageModel, LevelUnavailableError, why_level_unavailable)
 from kernelforge.models.levels import KERNELFORGE_KERNELS, TORCH_KERNELS
 from kernelforge.triton import interpreter_enabled
 from tests.conftest import HAS_CUDA
@@ -198,9 +199,28 @@ def test_compiled_levels_match_native(level):
                                           activation="silu"))
     x, edge_index, batch = make_graphs([2, 6], 5)
     want = [model(x, edge_index, batch), model(x.flip(0), edge_index.flip(0), 1 - batch)]
+    others = [make_graphs(sizes, 5) for sizes in ([3, 4, 7], [9, 1, 5, 2])]  # batches of other sizes
+    want += [model(*graphs) for graphs in others]
     model.set_level(level)
+    torch._dynamo.reset()
+    counters.clear()
     torch.testing.assert_close(model(x, edge_index, batch), want[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(model(x.flip(0), edge_index.flip(0), 1 - batch), want[1], rtol=1e-5, atol=1e-5)
+    for graphs, expected in zip(others, want[2:]):
+        torch.testing.assert_close(model(*graphs), expected, rtol=1e-5, atol=1e-5)
+    # the first new shape compiles again with dynamic shapes, the next reuses that graph
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+
+
+def test_the_fastest_level_compiles_the_gnn_without_cuda_graphs_or_static_shapes():
+    # batches change shape: a CUDA graph (and a static-shape compile) per batch would be rebuilt for each
+    gnn = GraphNeuralNetwork(5, hidden=8, num_classes=3, layers=1)
+    lm = LanguageModel(vocab_size=32, dim=16, n_layers=1, n_heads=2, max_seq_len=8)
+    for device in ("cpu", "cuda"):
+        assert gnn.whole_graph_options(torch.device(device)) == {"fullgraph": True}
+    assert lm.whole_graph_options(torch.device("cuda")) == {"fullgraph": True, "dynamic": False,
+                                                            "mode": "reduce-overhead"}
+    assert lm.whole_graph_options(torch.device("cpu")) == {"fullgraph": True, "dynamic": False}
 
 
 def test_triton_level_on_cpu_through_the_interpreter():
