@@ -93,8 +93,14 @@ def _worker(rank: int, port: int, out_dir: str, cases: Callable[[], dict], mesh_
                 dist.barrier()  # a case failing on one rank only must not leave the other in a collective
         _write_results(out_dir, rank, results, running=None)
     finally:
+        # Over NCCL a job whose cases had all passed once hung past its time limit here (a case had
+        # compiled a model): compiled code let go too, and every thread's stack printed if the
+        # teardown takes a minute
+        faulthandler.dump_traceback_later(60)
+        torch._dynamo.reset()
         gc.collect()  # the cases' models, stages and meshes go while their groups are alive
         dist.destroy_process_group()
+        faulthandler.cancel_dump_traceback_later()
     # The results are on disk and the process group is gone: leave without the interpreter's
     # finalization. A rank that had run pipeline P2P over gloo once died there in CI with a C++
     # std::terminate (SIGABRT) after every case had passed, which failed the whole module.

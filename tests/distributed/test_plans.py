@@ -169,7 +169,7 @@ def _refusals_case(mesh):
 def _unnamed_2d(mesh):
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", tuple(mesh.shape))  # 2-D without dimension names
+    return init_device_mesh(mesh.device_type, tuple(mesh.shape))  # 2-D without dimension names
 
 
 def _cases_2d():

@@ -143,7 +143,7 @@ def _two_dimensional_case(dp, tp, tie=False):
 
         from kernelforge.distributed import fully_shard_transformers, tensor_parallel_transformers
 
-        mesh2d = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        mesh2d = init_device_mesh(mesh.device_type, (dp, tp), mesh_dim_names=("dp", "tp"))  # gloo: cpu, NCCL: cuda
         ids = torch.randint(0, VOCAB, (4, 9))
         *expected, _ = _step(_model("llama", tie), ids)
         model = tensor_parallel_transformers(_model("llama", tie), mesh2d["tp"])
