@@ -26,6 +26,11 @@ kf.patch(model) registers the name and moves a model whose attention is "sdpa" o
 """
 from __future__ import annotations
 
+# Imported with this module (kernelforge.transformers is imported only where transformers is): an
+# import inside causal_mask, which runs while torch.compile traces the model, is a graph break under
+# torch 2.11's Dynamo (transformers is a _LazyModule, "Bad import result")
+from transformers import masking_utils
+
 NAME = "kernelforge"
 
 
@@ -33,8 +38,6 @@ def causal_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
                 attention_mask=None, local_size=None, allow_is_causal_skip: bool = True, **kwargs):
     """transformers' sdpa_mask, or None (is_causal) for a plain causal mask over a whole sequence,
     also while torch.compile traces (module docstring)."""
-    from transformers import masking_utils
-
     plain = mask_function is None or mask_function is masking_utils.causal_mask_function
     if (allow_is_causal_skip and plain and attention_mask is None and local_size is None
             and isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == 0 and kv_offset == 0
