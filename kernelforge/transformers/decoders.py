@@ -8,8 +8,8 @@ attention modules, and the causal-LM head's loss. What the families differ in (t
   (Mistral / Mixtral / Phi-3 from the config, Qwen2 / Qwen3 / Qwen3-MoE / Gemma 2 / 3 per layer),
   RMSNorms on q and k before the rotation (over each head: Qwen3, Qwen3-MoE, Gemma 3; over the whole
   projection: OLMo 2), one packed qkv projection (Phi-3, whose rotation may cover part of each head).
-  Separate q / k / v Linear layers run as one autograd node (_projections: three GEMMs, x's
-  gradient accumulated in one buffer, not three and two adds). The cache update and the attention function
+  Separate q / k / v Linear layers run as one GEMM over their concatenated weights (_projections:
+  x's gradient in one GEMM, not three and two adds). The cache update and the attention function
   transformers' registry picks (config._attn_implementation) are as transformers does them, in the
   versions of TESTED_VERSIONS;
   with another version the attention is left alone, and the report says so.
@@ -191,55 +191,47 @@ def _packed_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(swiglu(self.gate_up_proj(x)))
 
 
-class _Projections(torch.autograd.Function):
-    """(x @ W_1^T (+ b_1), x @ W_2^T (+ b_2), ...): the attention's q / k / v projections, each its
-    own GEMM into its own tensor, with a backward that accumulates x's gradient in one buffer (the
-    later GEMMs add into the first's output: no (tokens x hidden) adds of three gradients, as
-    autograd makes for three Linear layers) and keeps nothing but x and the weights.
-
-    Not one GEMM over the concatenated weights: that paid, a layer and a step, the concatenation of
-    the weights in the forward and again in the backward (12 MiB at Llama-3.2-1B), a copy of v (a
-    view of the shared output saved by the attention would keep all of it alive) and the
-    concatenation of the three gradients in the split's backward (48 MiB at 8192 tokens): 81 cats
-    and 16 copies, 2.3 ms of a 133 ms Llama-3.2-1B step on an H200."""
+class _ConcatenatedLinear(torch.autograd.Function):
+    """x @ [W_1 | W_2 | ...]^T (+ the layers' biases concatenated) as one GEMM. The concatenated
+    weight is made again in the backward, not kept from the forward: a copy of (q + 2 kv heads) x
+    head_dim x hidden elements a layer (12 MiB at Llama-3.2-1B, 0.2 GB a step alive from forward to
+    backward) traded for one more copy in the backward (about 10 us a layer)."""
 
     @staticmethod
-    def forward(ctx, x, count, *params):
-        weights, biases = params[:count], params[count:] or (None,) * count
-        ctx.biased = len(params) > count
+    def forward(ctx, x, bias, *weights):
         ctx.save_for_backward(x, *weights)
-        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+        return F.linear(x, torch.cat(weights), bias)
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx, grad):
         x, *weights = ctx.saved_tensors
-        rows = [g.reshape(-1, g.shape[-1]) for g in grads]
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            for g, w in zip(rows, weights):
-                grad_x = g @ w if grad_x is None else grad_x.addmm_(g, w)
-            grad_x = grad_x.view(x.shape)
-        x2 = x.reshape(-1, x.shape[-1])
-        grad_weights = [g.t() @ x2 if ctx.needs_input_grad[2 + i] else None for i, g in enumerate(rows)]
-        grad_biases = [g.sum(0) if ctx.biased and ctx.needs_input_grad[2 + len(rows) + i] else None
-                       for i, g in enumerate(rows)] if ctx.biased else []
-        return (grad_x, None, *grad_weights, *grad_biases)
+        grad_x = grad @ torch.cat(weights) if ctx.needs_input_grad[0] else None
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_bias = rows.sum(0) if ctx.needs_input_grad[1] else None
+        grad_weights = [None] * len(weights)
+        if any(ctx.needs_input_grad[2:]):
+            grad_weights = (rows.t() @ x.reshape(-1, x.shape[-1])).split([w.shape[0] for w in weights])
+        return (grad_x, grad_bias, *grad_weights)
 
 
 def _projections(self, hidden_states):
-    """(q, k, v) by _Projections where the three are plain Linear layers of one dtype with or
-    without biases alike (no adapter, hook or sharded weight: else each its own Linear)."""
+    """(q, k, v): one GEMM over [Wq | Wk | Wv] (and [bq | bk | bv]) where the three are plain
+    Linear layers of one dtype with or without biases alike (no adapter, hook or sharded weight:
+    else each its own). Why: the backward then makes x's gradient in one GEMM, not three GEMMs and
+    two adds of (tokens x hidden), and the weights' in one, and no GEMM runs at the kv heads' narrow
+    width. q, k and v are views of the one output (_attention_forward copies what a saved view
+    would keep alive)."""
     layers = [getattr(self, name) for name in ATTENTION_PROJECTIONS]
     weights = [layer.weight for layer in layers]
     if (not plain_linears(self, ATTENTION_PROJECTIONS, bias=True) or len({w.dtype for w in weights}) != 1
             or len({layer.bias is None for layer in layers}) != 1 or any(is_dtensor(w) for w in weights)):
         return tuple(layer(hidden_states) for layer in layers)
-    biases = [] if layers[0].bias is None else [layer.bias for layer in layers]
+    bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
     dtype = autocast_matmul_dtype(hidden_states.device.type)
-    if dtype is not None:  # under torch.autocast: the products in its dtype, as F.linear's; its backward too
-        hidden_states, *params = autocast_cast(dtype, hidden_states, *weights, *biases)
-        weights, biases = params[:len(weights)], params[len(weights):]
-    return _Projections.apply(hidden_states, len(weights), *weights, *biases)
+    if dtype is not None:  # under torch.autocast: the product in its dtype, as F.linear's; its backward too
+        hidden_states, bias, *weights = autocast_cast(dtype, hidden_states, bias, *weights)
+    qkv = _ConcatenatedLinear.apply(hidden_states, bias, *weights)
+    return qkv.split([w.shape[0] for w in weights], -1)
 
 
 def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, *, family,
@@ -257,6 +249,13 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         query, key, value = qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:]
     else:
         query, key, value = _projections(self, hidden_states)
+        # views of one GEMM's output: one the attention saves would keep all of it alive until the
+        # backward (q, k and v: 48 MiB a layer at Llama-3.2-1B x 8192 tokens); v copied alone is 8.
+        # q and k are too where a norm saves them; rope saves neither.
+        if value._base is not None and torch.is_grad_enabled():
+            value = value.contiguous()
+            if family.qk_norm:
+                query, key = query.contiguous(), key.contiguous()
     if family.qk_norm == "projection":
         query, key = self.q_norm(query), self.k_norm(key)
     query, key, value = query.view(hidden_shape), key.view(hidden_shape), value.view(hidden_shape)
