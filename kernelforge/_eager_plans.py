@@ -164,9 +164,17 @@ class _Recording(TorchDispatchMode):
     def fail(self, why: str) -> None:
         if self.why_not is None:
             self.why_not = why
+            # Nothing of this call will be replayed: its allocations are let go now, not at the end
+            # of the call, which would keep the implementation's transient buffers alive until then
+            # (the fused linear cross-entropy's logits chunks, 0.5 GiB each at a 128k vocabulary,
+            # lifted a Llama-3.2-1B step's peak by 1 GiB at its second call), and no more are kept.
+            self.allocs.clear()
+            self.steps.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self.why_not is not None:  # failed: watched no further
+            return out
         if func in _EMPTY:
             if out.untyped_storage().nbytes():  # no_view's new_empty(0), set_ on an allocation next
                 self.allocs.append(out)
@@ -216,7 +224,7 @@ class _Recording(TorchDispatchMode):
     def direct_launch(self, entry: tuple, device: int, grid: tuple, args: tuple, kwargs: dict) -> None:
         """A launch through the compiled kernel's launcher on CUDA device `device`: entry = (run,
         function, metadata, tail) of kernelforge.triton._launch (tail: the keyword arguments' values)."""
-        if not self._constant_keywords(kwargs):
+        if self.why_not is not None or not self._constant_keywords(kwargs):
             return
         spec, descriptors = [], []
         for position, arg in enumerate(args):
@@ -243,7 +251,7 @@ class _Recording(TorchDispatchMode):
     def triton_launch(self, kernel, grid, args: tuple, kwargs: dict) -> None:
         """A launch through kernel[grid](...) (the interpreter, an autotuner): replayed the same way,
         on views rebuilt on the call's memory."""
-        if not self._constant_keywords(kwargs):
+        if self.why_not is not None or not self._constant_keywords(kwargs):
             return
         spec = []
         for arg in args:
