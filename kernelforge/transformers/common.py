@@ -2,6 +2,7 @@
 the instance (and saying so in the report), the version check, the LayerNorm forward."""
 from __future__ import annotations
 
+import functools
 import types
 from typing import Callable
 
@@ -14,6 +15,24 @@ MARK = "_kernelforge_patched"  # an instance attribute: the module's forward is 
 # a GELU activation module of transformers.activations -> kf.gelu's approximate
 GELU_APPROXIMATIONS = {"GELUActivation": "none", "NewGELUActivation": "tanh", "GELUTanh": "tanh",
                        "PytorchGELUTanh": "tanh"}
+
+
+def _as_function(forward: Callable) -> Callable:
+    """forward as a plain Python function: torch 2.11's Dynamo cannot trace a method whose function
+    is a functools.partial ("can't handle functions not implemented in python"), so
+    torch.compile(fullgraph=True) of a patched model failed there; 2.13's can."""
+    if not isinstance(forward, functools.partial):
+        return forward
+    fn, fixed = forward.func, forward.keywords
+    if forward.args:
+        raise TypeError(f"kernelforge.transformers: a patched forward takes its fixed arguments by keyword, got "
+                        f"{forward.args!r} by position for {fn.__name__}")
+
+    @functools.wraps(fn)
+    def bound(self, *args, **kwargs):
+        return fn(self, *args, **kwargs, **fixed)
+
+    return bound
 
 
 class Patcher:
@@ -30,7 +49,7 @@ class Patcher:
         if module._forward_hooks or module._forward_pre_hooks:
             self.skip(name, module, "has hooks")
             return
-        setattr(module, method, types.MethodType(forward, module))
+        setattr(module, method, types.MethodType(_as_function(forward), module))
         module.__dict__[MARK] = note
         self.replaced.append(Replacement(name, type(module).__qualname__, type(module).__qualname__, note))
 
