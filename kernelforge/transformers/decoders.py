@@ -281,7 +281,10 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
 
 
 def _head_forward(self, x: torch.Tensor) -> torch.Tensor:
-    if self.__dict__.get("_kernelforge_pass_hidden"):
+    # getattr, not __dict__.get: under torch.compile Dynamo sees the flag _causal_lm_forward set in
+    # the same graph through getattr (torch 2.11's read the module's dict as it was before the call:
+    # the head made logits and the fused loss got them as hidden states, its shape check refused)
+    if getattr(self, "_kernelforge_pass_hidden", False):
         return x
     if is_dtensor(self.weight) and not is_dtensor(x):  # split by the vocabulary (transformers_plans' head="vocab")
         from kernelforge.distributed.vocab_parallel_fused import vocab_parallel_logits
