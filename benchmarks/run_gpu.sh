@@ -25,6 +25,8 @@
 #            DIST_TESTS=0 skips the tests
 #   allreduce  (2+ GPUs) benchmarks/tools/allreduce_probe.py on every GPU under torchrun: all-reduce bandwidth
 #            and the GPUs' links, into allreduce.log
+#   cpu-tests  the CPU suite ($CPU_TESTS, default tests; $CPU_TESTS_WORKERS) under the machine's torch (2.11
+#            there, 2.13 on the CPU machines), Triton's interpreter on numpy < 2.3 from .whl/cpu/ when carried
 #   demo     kernelforge demo $DEMO_ARGS (the example models at every level: table, JSON, plot) into demo/
 #   script   python3 $SCRIPT (one benchmark or probe script with its arguments) into script.log
 #   sweep    benchmarks/tuning/softmax_sweep.py (the Triton softmax launch configs), JSON into results/
@@ -177,6 +179,16 @@ for stage in $stages; do
     demo)
       timeout "${DEMO_TIMEOUT:-400}" python3 -m kernelforge.cli demo --out "$R/demo" ${DEMO_ARGS:-} > "$R/demo.log" 2>&1
       status=$(( status | $? )); tail -n 30 "$R/demo.log" ;;
+    cpu-tests)  # the CPU suite (or $CPU_TESTS) under this machine's torch (2.11: the other supported
+      # version), GPUs hidden, Triton through its interpreter, which needs numpy < 2.3: a wheel of it
+      # carried in .whl/cpu/ goes into a site of its own, ahead of the image's numpy for this stage only
+      site=/tmp/cpu-site
+      [ -d "$site" ] || { [ -d .whl/cpu ] && python3 -m pip install -q --no-index --no-deps --no-compile \
+        --no-cache-dir --target "$site" .whl/cpu/*.whl; }
+      PYTHONPATH="$site:$PYTHONPATH" CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 timeout "${CPU_TESTS_TIMEOUT:-500}" \
+        python3 -m pytest -m "not gpu" -q -p no:cacheprovider -rfEs -n "${CPU_TESTS_WORKERS:-12}" --dist loadfile \
+        ${CPU_TESTS:-tests} > "$R/cpu-tests.log" 2>&1
+      status=$(( status | $? )); grep -E "^(FAILED|ERROR)" "$R/cpu-tests.log" | head -40; tail -n 2 "$R/cpu-tests.log" ;;
     script)  # any one script: SCRIPT="benchmarks/tools/x.py --args"
       timeout "${SCRIPT_TIMEOUT:-200}" python3 $SCRIPT > "$R/script.log" 2>&1
       status=$(( status | $? )); tail -n 30 "$R/script.log" ;;
