@@ -178,7 +178,8 @@ def main(argv=None) -> int:
     parser.add_argument("--child", help=argparse.SUPPRESS)  # one variant, run in this process
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--profile-dir", help="also profile two steps of each variant: a kernel table a variant here")
-    parser.add_argument("--memory-dir", help="a GPU: what is alive at the timed steps' peak, a variant here (slows the steps)")
+    parser.add_argument("--memory-dir",
+                        help="a GPU: what is alive at the timed steps' peak, a variant here (slows the steps)")
     parser.add_argument("--tiny", action="store_true", help="the tiny model on the CPU: checks the script runs")
     args = parser.parse_args(argv)
     args.variants = args.variants or ("kf" if args.tiny else ",".join(VARIANTS))

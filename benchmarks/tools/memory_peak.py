@@ -62,13 +62,15 @@ def peak_report(events: Iterable[dict], baseline_bytes: int, depth: int = 3, top
     grown = sum(e["size"] for e in live.values())
     lines = [f"peak {peak / MiB:.0f} MiB allocated: {baseline_bytes / MiB:.0f} MiB from before the recording "
              f"(less what it freed by then: {(peak - grown - baseline_bytes) / MiB:+.0f} MiB), "
-             f"{grown / MiB:.0f} MiB in {len(live)} blocks allocated during it, event {peak_index + 1} of {len(events)}",
+             f"{grown / MiB:.0f} MiB in {len(live)} blocks allocated during it, "
+             f"event {peak_index + 1} of {len(events)}",
              f"{'MiB':>9} {'blocks':>6} {'each MiB':>9}  allocated at (innermost first)"]
     for (where, size), sizes in rows[:top]:
         lines.append(f"{sum(sizes) / MiB:9.1f} {len(sizes):6d} {size / MiB:9.2f}  {where}")
     if len(rows) > top:
         rest = sum(sum(sizes) for _, sizes in rows[top:])
-        lines.append(f"{rest / MiB:9.1f} {sum(len(s) for _, s in rows[top:]):6d} {'':9}  ({len(rows) - top} more groups)")
+        blocks = sum(len(s) for _, s in rows[top:])
+        lines.append(f"{rest / MiB:9.1f} {blocks:6d} {'':9}  ({len(rows) - top} more groups)")
     return "\n".join(lines) + "\n"
 
 

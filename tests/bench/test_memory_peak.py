@@ -28,6 +28,9 @@ def test_the_peak_lists_what_is_alive_there_by_stack_and_size():
     assert lines[3].split() == ["4.0", "1", "4.00", "model.py:1", "forward"]
     assert lines[4].split() == ["2.0", "1", "2.00", "model.py:7", "head"]
     assert len(lines) == 5
+    short = load_script("memory_peak").peak_report(
+        [_alloc(1, 4), _alloc(2, 16, "head", 7), _alloc(3, 2, "head", 7)], baseline_bytes=0, top=1).splitlines()
+    assert short[2].split()[:2] == ["16.0", "1"] and short[3].split() == ["6.0", "2", "(2", "more", "groups)"]
 
 
 def test_frees_of_older_blocks_lower_the_total_and_frameless_blocks_are_named():
