@@ -43,6 +43,11 @@ plan: the LanguageModel's own names, AdamW's flattened to one key per parameter;
 under FSDP2 and TP, each rank writing its shards; under pp each rank its stage's parameters) and
 the step and data position. --resume loads the last complete one of --checkpoint-dir
 (set_state_dict) and goes on from its step and data position to --steps.
+
+--profile-step N profiles step N on every rank (torch.profiler): rank 0 prints its ops by device
+time, each rank writes a chrome trace to --profile-dir/rank<r>-step<N>.json, which
+benchmarks/tools/timeline_gaps.py --trace reads for where the device waited (an all-reduce, the
+host).
 """
 from __future__ import annotations
 
@@ -319,10 +324,37 @@ def parse_args(argv=None):
     parser.add_argument("--checkpoint-dir", default=None, help="default: a new temporary directory")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="a checkpoint every K steps (0: at the end only)")
     parser.add_argument("--resume", action="store_true", help="go on from the last checkpoint of --checkpoint-dir")
+    parser.add_argument("--profile-step", type=int, default=0,
+                        help="profile this step on every rank (torch.profiler): rank 0 prints its kernels by device "
+                             "time, every rank writes a chrome trace into --profile-dir (0: no profile)")
+    parser.add_argument("--profile-dir", default=".", help="where the traces go (rank<r>-step<N>.json)")
     args = parser.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir")
     return args
+
+
+def start_profile(device):
+    """A torch.profiler over the next step (CPU ops, and the device's kernels on a GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    profiler = profile(activities=activities)
+    profiler.__enter__()
+    return profiler
+
+
+def end_profile(profiler, device, trace: Path, say) -> None:
+    """Stop the step's profile: its chrome trace into `trace` (where the device waited:
+    benchmarks/tools/timeline_gaps.py --trace), its ops by device time (CPU time on a CPU) printed."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    profiler.__exit__(None, None, None)
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    profiler.export_chrome_trace(str(trace))
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    say(f"profile of the step (trace {trace}):\n"
+        f"{profiler.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=70)}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -367,6 +399,7 @@ def main(argv=None) -> int:
     model.train()
     last_time, last_step, last_saved = time.perf_counter(), step, None
     while step < args.steps:
+        profiler = start_profile(device) if step + 1 == args.profile_step else None
         tokens = data.next_batch(args.batch_size)
         if dp > 1:
             tokens = tokens[dp_rank * local_batch: (dp_rank + 1) * local_batch]
@@ -379,6 +412,8 @@ def main(argv=None) -> int:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
+        if profiler is not None:
+            end_profile(profiler, device, Path(args.profile_dir) / f"rank{rank}-step{step}.json", say)
         if step % args.log_every == 0 or step == args.steps:
             if args.parallel == "pp":  # from the last stage's rank
                 value = torch.zeros((), dtype=torch.float64, device=device) if loss is None else loss.double()

@@ -5,6 +5,7 @@
     print(idle_report(prof))
 
     python benchmarks/tools/timeline_gaps.py [--tiny]   (an example: products with host stalls between them)
+    python benchmarks/tools/timeline_gaps.py --trace rank0-step20.json   (a saved chrome trace)
 
 Reads the profiler's trace (kernels, memcpys and memsets on the device; the runtime / driver calls
 that launched them and the CPU ops around those calls on the host). For each gap between two
@@ -35,6 +36,10 @@ SYNC_NAMES = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 
 
 def _load_events(prof) -> list[dict]:
+    """The trace's events: of a profiler, or of a chrome trace it wrote (a path)."""
+    if isinstance(prof, (str, os.PathLike)):
+        with open(prof) as f:
+            return json.load(f)["traceEvents"]
     with tempfile.TemporaryDirectory() as directory:
         path = os.path.join(directory, "trace.json")
         prof.export_chrome_trace(path)
@@ -51,6 +56,7 @@ def _enclosing(ops_by_thread: dict, tid, ts: float, depth: int) -> str:
 
 
 def idle_report(prof, min_gap_us: float = 20.0, top: int = 25, depth: int = 4) -> str:
+    """The report of a profiler's trace, or of a chrome trace file (its path)."""
     events = [e for e in _load_events(prof) if e.get("ph") == "X"]
     device = sorted((e for e in events if e.get("cat") in DEVICE_CATEGORIES), key=lambda e: e["ts"])
     launches = {e["args"]["correlation"]: e for e in events
@@ -103,7 +109,11 @@ def main(argv=None) -> None:
     GPU the idle time shows up as host-bound gaps charged to the stalled step."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="small products on the CPU: checks the script runs")
+    parser.add_argument("--trace", help="report this chrome trace instead (torch.profiler's export_chrome_trace)")
     args = parser.parse_args(argv)
+    if args.trace:
+        print(idle_report(args.trace))
+        return
     on_gpu = torch.cuda.is_available() and not args.tiny
     x = torch.randn(*((64, 64) if args.tiny else (4096, 4096)), device="cuda" if on_gpu else "cpu")
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])

@@ -140,3 +140,17 @@ def test_pipeline(one_process, tmp_path):
     # parameters as one process; each rank's checkpoint holds its stage (tok_emb on the first, the
     # head's copy of it on the last), together the model's keys
     check_plan("pp", one_process, tmp_path, 2, "--microbatches", "2")
+
+
+def test_a_profiled_step_writes_each_ranks_trace(tmp_path):
+    # --profile-step: every rank's chrome trace of that step, rank 0's table of ops; the trace reads
+    # back through benchmarks/tools/timeline_gaps.py --trace (no device operations on a CPU)
+    losses = run(tmp_path, 2, *ARGS, "--parallel", "ddp", "--profile-step", "3",
+                 "--profile-dir", str(tmp_path / "prof"))
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    traces = sorted(p.name for p in (tmp_path / "prof").iterdir())
+    assert traces == ["rank0-step3.json", "rank1-step3.json"]
+    report = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tools" / "timeline_gaps.py"), "--trace",
+                             str(tmp_path / "prof" / "rank0-step3.json")], capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=TIMEOUT_S)
+    assert report.returncode == 0 and report.stdout.startswith("no device operations in the trace"), report
