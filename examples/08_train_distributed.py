@@ -44,6 +44,10 @@ under FSDP2 and TP, each rank writing its shards; under pp each rank its stage's
 the step and data position. --resume loads the last complete one of --checkpoint-dir
 (set_state_dict) and goes on from its step and data position to --steps.
 
+--activation-checkpointing: each layer keeps only its input for the backward and runs again there
+(LanguageModel(activation_checkpointing=True)): less memory a GPU for one more forward a step, what
+lets FSDP2's sharding of the parameters and AdamW's state show in the peak (not with pp).
+
 --profile-step N profiles step N on every rank (torch.profiler): rank 0 prints its ops by device
 time, each rank writes a chrome trace to --profile-dir/rank<r>-step<N>.json, which
 benchmarks/tools/timeline_gaps.py --trace reads for where the device waited (an all-reduce, the
@@ -155,7 +159,8 @@ def build(args, world: int, device):
 
     torch.manual_seed(args.seed)
     model = LanguageModel(vocab_size=256, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
-                          max_seq_len=args.seq_len, mlp_ratio=args.mlp_ratio, level=args.level)
+                          max_seq_len=args.seq_len, mlp_ratio=args.mlp_ratio, level=args.level,
+                          activation_checkpointing=args.activation_checkpointing)
     model = model.to(device, DTYPES[args.dtype])
     trainer = model
     if args.parallel != "none":
@@ -324,6 +329,8 @@ def parse_args(argv=None):
     parser.add_argument("--checkpoint-dir", default=None, help="default: a new temporary directory")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="a checkpoint every K steps (0: at the end only)")
     parser.add_argument("--resume", action="store_true", help="go on from the last checkpoint of --checkpoint-dir")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="each layer keeps only its input and runs again in the backward (not with pp)")
     parser.add_argument("--profile-step", type=int, default=0,
                         help="profile this step on every rank (torch.profiler): rank 0 prints its kernels by device "
                              "time, every rank writes a chrome trace into --profile-dir (0: no profile)")
@@ -331,6 +338,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir")
+    if args.activation_checkpointing and args.parallel == "pp":
+        parser.error("--activation-checkpointing: the pipeline's stages run their layers themselves, without it")
     return args
 
 

@@ -126,6 +126,19 @@ def test_plan(plan, one_process, tmp_path):
     check_plan(plan, one_process, tmp_path)
 
 
+def test_fsdp2_with_activation_checkpointing(one_process, tmp_path):
+    # each layer run again in the backward: the same losses, parameters and resumed state as the
+    # one process without it
+    check_plan("fsdp2", one_process, tmp_path, 2, "--activation-checkpointing")
+
+
+def test_activation_checkpointing_is_refused_under_the_pipeline(tmp_path):
+    result = subprocess.run([sys.executable, str(SCRIPT), "--parallel", "pp", "--activation-checkpointing"],
+                            cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                            timeout=TIMEOUT_S)
+    assert result.returncode == 2 and "--activation-checkpointing: the pipeline's stages" in result.stderr
+
+
 def test_fsdp2_tp_on_a_2d_mesh(one_process, tmp_path):
     check_plan("fsdp2-tp", one_process, tmp_path, 4, "--tp", "2")
 
