@@ -7,8 +7,7 @@ import copy
 import pytest
 import torch
 
-from kernelforge.models import LanguageModel
-from kernelforge.models import levels
+from kernelforge.models import LanguageModel, levels
 
 
 def _models(level):
