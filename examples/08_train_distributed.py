@@ -46,7 +46,7 @@ the step and data position. --resume loads the last complete one of --checkpoint
 
 --activation-checkpointing: each layer keeps only its input for the backward and runs again there
 (LanguageModel(activation_checkpointing=True)): less memory a GPU for one more forward a step, what
-lets FSDP2's sharding of the parameters and AdamW's state show in the peak (not with pp).
+lets FSDP2's sharding of the parameters and AdamW's state show in the peak; with every plan.
 
 --profile-step N profiles step N on every rank (torch.profiler): rank 0 prints its ops by device
 time, each rank writes a chrome trace to --profile-dir/rank<r>-step<N>.json, which
@@ -330,7 +330,7 @@ def parse_args(argv=None):
     parser.add_argument("--checkpoint-every", type=int, default=0, help="a checkpoint every K steps (0: at the end only)")
     parser.add_argument("--resume", action="store_true", help="go on from the last checkpoint of --checkpoint-dir")
     parser.add_argument("--activation-checkpointing", action="store_true",
-                        help="each layer keeps only its input and runs again in the backward (not with pp)")
+                        help="each layer keeps only its input and runs again in the backward")
     parser.add_argument("--profile-step", type=int, default=0,
                         help="profile this step on every rank (torch.profiler): rank 0 prints its kernels by device "
                              "time, every rank writes a chrome trace into --profile-dir (0: no profile)")
@@ -338,8 +338,6 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir")
-    if args.activation_checkpointing and args.parallel == "pp":
-        parser.error("--activation-checkpointing: the pipeline's stages run their layers themselves, without it")
     return args
 
 

@@ -76,13 +76,14 @@ class LanguageModelStage(LevelledModel):
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_indices})
         if is_last:
             self.norm, self.head = model.norm, model.head
+        self.activation_checkpointing = model.activation_checkpointing
         self._init_level(model.level)
 
     def compute(self, x):
         if self.is_first:
             x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
         for layer in self.layers.values():
-            x = layer(x)
+            x = self.layer_call(layer, x)
         return self.head(self.norm(x)) if self.is_last else x
 
     def compute_loss_from_logits(self, logits, targets):

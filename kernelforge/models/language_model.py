@@ -13,7 +13,6 @@ flash-decoding splits the keys across the GPU.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -22,16 +21,6 @@ import torch
 from kernelforge.models.decoding import Decoder, cache_rows, decoder_key, sample
 from kernelforge.models.levels import LevelledModel
 from kernelforge.models.transformer import BlockConfig, Linear, Norm, TransformerLayer
-
-
-@contextlib.contextmanager
-def _kernel_set(choice, ops):
-    """The model's KernelChoice set to `ops` inside the block (a checkpointed layer's recomputation)."""
-    saved, choice.ops = choice.ops, ops
-    try:
-        yield
-    finally:
-        choice.ops = saved
 
 
 @dataclass
@@ -64,7 +53,7 @@ class LanguageModel(LevelledModel):
                  max_seq_len: int = 1024, *, mlp_ratio: float = 4.0, norm: str = "rms", level: str = "native",
                  activation_checkpointing: bool = False):
         super().__init__()
-        # Keep each layer's input only and compute the layer again in the backward (see compute)
+        # keep each layer's input only and run the layer again in the backward (LevelledModel.layer_call)
         self.activation_checkpointing = activation_checkpointing
         self.config = cfg = LanguageModelConfig(vocab_size, dim, n_layers, n_heads, max_seq_len, mlp_ratio, norm)
         block = cfg.block()
@@ -91,31 +80,16 @@ class LanguageModel(LevelledModel):
 
     def compute(self, ids):
         """ids (B, T) -> logits (B, T, vocab). With activation_checkpointing (and a gradient to
-        compute) each layer keeps only its input for the backward, which runs the layer's forward
-        again (torch.utils.checkpoint): what a layer holds from the forward to the backward (its
-        normed inputs, q / k / v, the attention's output, the MLP's gate, up and product: over ten
-        times dim elements a token) shrinks to its input, dim a token, for one more forward of every
-        layer a step (about a third more compute)."""
+        compute) each layer keeps only its input for the backward, which runs the layer again
+        (LevelledModel.layer_call): what a layer holds from the forward to the backward (its normed
+        inputs, q / k / v, the attention's output, the MLP's gate, up and product: over ten times
+        dim elements a token) shrinks to its input, dim a token, for one more forward of every layer
+        a step (about a third more compute)."""
         self._check_ids(ids)
         x = self._embed(ids, torch.arange(ids.shape[1], device=ids.device))
-        checkpointed = self.activation_checkpointing and torch.is_grad_enabled() and not torch.jit.is_tracing()
         for layer in self.layers:
-            x = self._checkpointed(layer, x) if checkpointed else layer(x)
+            x = self.layer_call(layer, x)
         return self.head(self.norm(x))
-
-    def _checkpointed(self, layer, x):
-        """layer(x) under non-reentrant torch.utils.checkpoint. Its recomputation runs in the backward,
-        after the level's call has put torch's kernel set back (LevelledModel.run): it runs with the
-        kernel set of the forward (and the backend preference of the backward's kernel_scope), so
-        the activations it makes again are the forward's. Under torch.compile the compiler plans the
-        recomputation inside the traced graph."""
-        from torch.utils.checkpoint import checkpoint
-
-        if torch.compiler.is_compiling():
-            return checkpoint(layer, x, use_reentrant=False)
-        ops = self.kernels.ops
-        return checkpoint(layer, x, use_reentrant=False,
-                          context_fn=lambda: (contextlib.nullcontext(), _kernel_set(self.kernels, ops)))
 
     def loss(self, ids):
         """Next-token cross-entropy of ids (B, T): the logits of ids[:, :-1] against ids[:, 1:], the mean

@@ -296,6 +296,16 @@ class Component(torch.nn.Module):
 
 
 # ----------------------------------------------------------------------------- levels
+@contextlib.contextmanager
+def _kernel_set(choice: KernelChoice, ops):
+    """`choice` set to the kernel set `ops` inside the block (a checkpointed layer's recomputation)."""
+    saved, choice.ops = choice.ops, ops
+    try:
+        yield
+    finally:
+        choice.ops = saved
+
+
 class _Method(torch.nn.Module):
     """One method of a model as a module's forward (what torch.jit.trace and torch.compile take);
     the model is a submodule, so the traced or compiled graph uses its parameters."""
@@ -322,6 +332,9 @@ class LevelledModel(Component):
     # Methods the compile level compiles as one whole graph in CUDA graphs on a GPU, as the fastest
     # level compiles every method: a decode step (static shapes, called once a token, launch-bound).
     WHOLE_GRAPH_METHODS: tuple = ()
+    # Models whose layers run through layer_call: each layer keeps only its input for the backward
+    # and runs again there (set per instance)
+    activation_checkpointing: bool = False
     # Whether those whole graphs are captured in CUDA graphs on a GPU, with static shapes (the
     # callers bucket them). A model whose inputs change shape from call to call and whose calls are
     # long enough to hide their launches gains nothing from graphs and pays a capture a shape.
@@ -351,6 +364,22 @@ class LevelledModel(Component):
         self._level = level
         self._wrapped = {}
         return self
+
+    def layer_call(self, layer, x):
+        """layer(x); with activation_checkpointing, while a gradient is computed (not tracing), under
+        non-reentrant torch.utils.checkpoint. The recomputation runs in the backward, after run()
+        put torch's kernel set back: it runs with the kernel set of the forward (and the backend
+        preference of the backward's kernel_scope), so the activations it makes again are the
+        forward's. Under torch.compile the compiler plans the recomputation inside the graph."""
+        if not (self.activation_checkpointing and torch.is_grad_enabled() and not torch.jit.is_tracing()):
+            return layer(x)
+        from torch.utils.checkpoint import checkpoint
+
+        if torch.compiler.is_compiling():
+            return checkpoint(layer, x, use_reentrant=False)
+        ops = self.kernels.ops
+        return checkpoint(layer, x, use_reentrant=False,
+                          context_fn=lambda: (contextlib.nullcontext(), _kernel_set(self.kernels, ops)))
 
     def kernel_scope(self):
         """The backend preference of a kernelforge level (a null context at the other levels: the
