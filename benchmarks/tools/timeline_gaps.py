@@ -15,6 +15,8 @@ device operations longer than `min_gap_us`, the operation after the gap is follo
 - launched before: the device waited on something else (an event, another stream).
 Host synchronizations (stream / device / event syncs, device-to-host copies) are listed with their
 enclosing ops: each one drains the device's queue, so the gaps after it are the host's to refill.
+Then each stream's busy time, and the NCCL kernels' time with no other kernel running beside them
+(a data-parallel step's exposed communication) against the part compute hid.
 --tiny: the example's small products on the CPU (no device operations to report): checks that a
 trace is read.
 """
@@ -101,7 +103,60 @@ def idle_report(prof, min_gap_us: float = 20.0, top: int = 25, depth: int = 4) -
             syncs[f"{e['name']} in {_enclosing(ops_by_thread, e['tid'], e['ts'], depth)}"] += 1
     lines.append(f"host synchronizations and copies (count): {sum(syncs.values())}")
     lines += [f"  {n:5d}  {s}" for s, n in syncs.most_common(top)]
+    lines += stream_lines(device)
     return "\n".join(lines) + "\n"
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _length(intervals) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def _minus(intervals, other) -> float:
+    """The length of `intervals` (a union) not covered by `other` (a union)."""
+    uncovered, j = 0.0, 0
+    for start, end in intervals:
+        cursor = start
+        while j < len(other) and other[j][1] <= cursor:
+            j += 1
+        k = j
+        while k < len(other) and other[k][0] < end:
+            if other[k][0] > cursor:
+                uncovered += other[k][0] - cursor
+            cursor = max(cursor, other[k][1])
+            k += 1
+        uncovered += max(0.0, end - cursor)
+    return uncovered
+
+
+def stream_lines(device: list[dict]) -> list[str]:
+    """Each stream's busy time, and the communication (NCCL kernels) that ran with no other kernel
+    beside it: the part of an all-reduce a data-parallel step waits for (exposed), against the part
+    hidden behind compute."""
+    streams = collections.defaultdict(list)
+    for e in device:
+        streams[(e.get("pid"), e.get("tid"))].append(e)
+    lines = ["by stream (device, stream): busy ms, operations, the longest operation's name"]
+    for key, ops in sorted(streams.items(), key=lambda item: -sum(e["dur"] for e in item[1])):
+        busy = _length(_union([(e["ts"], e["ts"] + e["dur"]) for e in ops]))
+        longest = max(ops, key=lambda e: e["dur"])["name"]
+        lines.append(f"  {busy / 1e3:9.3f} {len(ops):6d}  {key}  {longest[:70]}")
+    comm = _union([(e["ts"], e["ts"] + e["dur"]) for e in device if e["name"].lower().startswith("nccl")])
+    if comm:
+        compute = _union([(e["ts"], e["ts"] + e["dur"]) for e in device if not e["name"].lower().startswith("nccl")])
+        exposed = _minus(comm, compute)
+        lines.append(f"communication (NCCL kernels): {_length(comm) / 1e3:.3f} ms, {exposed / 1e3:.3f} ms of it with "
+                     f"no other kernel running (exposed), {(_length(comm) - exposed) / 1e3:.3f} ms beside compute")
+    return lines
 
 
 def main(argv=None) -> None:
