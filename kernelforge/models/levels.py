@@ -111,7 +111,15 @@ _TORCH_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-class TorchKernels:
+class _Stateless:
+    """A kernel set holds no state: a copied model shares the module's one (LevelledModel.run puts
+    back the set it found, which a deepcopy would otherwise have duplicated)."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+class TorchKernels(_Stateless):
     """PyTorch's own functions: what the native, torchscript and compile levels run."""
 
     name = "torch"
@@ -171,7 +179,7 @@ class TorchKernels:
         return reference_gather_scatter(x, src, dst, num_nodes, reduce)
 
 
-class KernelforgeKernels:
+class KernelforgeKernels(_Stateless):
     """kernelforge's fused ops: what the triton and cuda levels run (the backend comes from the
     level's preference, set around the call)."""
 
@@ -296,14 +304,21 @@ class Component(torch.nn.Module):
 
 
 # ----------------------------------------------------------------------------- levels
-@contextlib.contextmanager
-def _kernel_set(choice: KernelChoice, ops):
-    """`choice` set to the kernel set `ops` inside the block (a checkpointed layer's recomputation)."""
-    saved, choice.ops = choice.ops, ops
-    try:
-        yield
-    finally:
-        choice.ops = saved
+class _KernelSet:
+    """`with _KernelSet(choice, ops):` the model's KernelChoice set to the kernel set `ops` inside the
+    block and put back after: a level's call (LevelledModel.run) and a checkpointed layer's
+    recomputation. A class, not a generator: it runs on every model call."""
+
+    __slots__ = ("choice", "ops", "saved")
+
+    def __init__(self, choice: KernelChoice, ops):
+        self.choice, self.ops = choice, ops
+
+    def __enter__(self):
+        self.saved, self.choice.ops = self.choice.ops, self.ops
+
+    def __exit__(self, *exc):
+        self.choice.ops = self.saved
 
 
 class _Method(torch.nn.Module):
@@ -379,7 +394,7 @@ class LevelledModel(Component):
             return checkpoint(layer, x, use_reentrant=False)
         ops = self.kernels.ops
         return checkpoint(layer, x, use_reentrant=False,
-                          context_fn=lambda: (contextlib.nullcontext(), _kernel_set(self.kernels, ops)))
+                          context_fn=lambda: (contextlib.nullcontext(), _KernelSet(self.kernels, ops)))
 
     def kernel_scope(self):
         """The backend preference of a kernelforge level (a null context at the other levels: the
@@ -441,22 +456,15 @@ class LevelledModel(Component):
             why = why_level_unavailable(level, device)
             if why is not None:
                 raise LevelUnavailableError(f"{type(self).__name__} at level {level!r}: {why}")
-            self.kernels.ops = KERNELFORGE_KERNELS
-            try:
-                with backends.prefer_backend(level):
-                    return getattr(self, method)(*inputs)
-            finally:
-                self.kernels.ops = TORCH_KERNELS
+            with _KernelSet(self.kernels, KERNELFORGE_KERNELS), backends.prefer_backend(level):
+                return getattr(self, method)(*inputs)
         if level == FASTEST:
-            self.kernels.ops = FASTEST_KERNELS
-            try:
+            with _KernelSet(self.kernels, FASTEST_KERNELS):
                 compiled = self._compiled(method, inputs, whole=True)
                 if self.CUDA_GRAPHS and any(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs):
                     # each call a new step of the CUDA graphs: the last call's outputs may be reused
                     torch.compiler.cudagraph_mark_step_begin()
                 return compiled(*inputs)
-            finally:
-                self.kernels.ops = TORCH_KERNELS
         self.kernels.ops = TORCH_KERNELS
         if level == "native":
             return getattr(self, method)(*inputs)
