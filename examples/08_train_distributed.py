@@ -347,7 +347,7 @@ def start_profile(device):
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     profiler = profile(activities=activities)
-    profiler.__enter__()
+    profiler.start()
     return profiler
 
 
@@ -356,7 +356,7 @@ def end_profile(profiler, device, trace: Path, say) -> None:
     benchmarks/tools/timeline_gaps.py --trace), its ops by device time (CPU time on a CPU) printed."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    profiler.__exit__(None, None, None)
+    profiler.stop()
     trace.parent.mkdir(parents=True, exist_ok=True)
     profiler.export_chrome_trace(str(trace))
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
