@@ -35,10 +35,12 @@
 # at most 8 files), exactly as produced.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 KERNELFORGE_CACHE_DIR=$PWD/.kfcache
+install_wheels() {  # TARGET WHEEL...: carried wheels into a site of their own, once a machine
+  [ -d "$1" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$@"
+}
 if [ -d .whl ]; then  # peers carried as wheels (Liger-Kernel is not on the GPU image); installed once a
   # machine, so that several invocations started side by side (one a GPU) do not install over each other
-  [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    .whl/*.whl
+  install_wheels /tmp/site .whl/*.whl
   [ -d /tmp/site ] && export PYTHONPATH=$PWD:/tmp/site
 fi
 OUT=${OUT:-/tmp/kernelforge-out}
@@ -183,8 +185,7 @@ for stage in $stages; do
       # version), GPUs hidden, Triton through its interpreter, which needs numpy < 2.3: a wheel of it
       # carried in .whl/cpu/ goes into a site of its own, ahead of the image's numpy for this stage only
       site=/tmp/cpu-site
-      [ -d "$site" ] || { [ -d .whl/cpu ] && python3 -m pip install -q --no-index --no-deps --no-compile \
-        --no-cache-dir --target "$site" .whl/cpu/*.whl; }
+      [ -d .whl/cpu ] && install_wheels "$site" .whl/cpu/*.whl
       PYTHONPATH="$site:$PYTHONPATH" CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 timeout "${CPU_TESTS_TIMEOUT:-500}" \
         python3 -m pytest -m "not gpu" -q -p no:cacheprovider -rfEs -n "${CPU_TESTS_WORKERS:-12}" --dist loadfile \
         ${CPU_TESTS:-tests} > "$R/cpu-tests.log" 2>&1
