@@ -13,7 +13,8 @@ and a sixth, the fastest way kernelforge knows to run the model:
                  graph: Inductor launches their Triton kernels and fuses around them) and torch's
                  elsewhere (FastestKernels says which, and the measurement behind each: today only
                  the loss), captured in CUDA graphs (mode="reduce-overhead") on a GPU where the
-                 model's CUDA_GRAPHS says so (all but the GNN, whose batches change shape). As with
+                 model's CUDA_GRAPHS says so (all but the GNN, whose batches change shape; and not
+                 a model sharded by FSDP2, compiled in graphs between fully_shard's hooks). As with
                  any CUDA-graphed model, a call's outputs live in the graphs' memory until the next
                  call reuses it: clone what you keep across calls (reading a reused output raises),
                  and train with zero_grad(set_to_none=True)
@@ -36,6 +37,7 @@ outer one (it shares the outer KernelChoice); call its compute, not its forward,
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from typing import Callable, Optional
 
@@ -436,10 +438,19 @@ class LevelledModel(Component):
 
     def whole_graph_options(self, device: torch.device) -> dict:
         """torch.compile's options for a whole-graph method on `device`: one graph, and with
-        CUDA_GRAPHS static shapes and, on a GPU, CUDA graphs (mode="reduce-overhead")."""
+        CUDA_GRAPHS static shapes and, on a GPU, CUDA graphs (mode="reduce-overhead"). A model
+        sharded by FSDP2 (fully_shard) compiles in graphs between fully_shard's hooks (the
+        parameters' all-gathers and the gradients' reduce-scatters, which Dynamo does not trace), no
+        CUDA graphs: their all-gathered parameters are new tensors every step."""
+        if self._sharded_by_fsdp():
+            return {}
         if not self.CUDA_GRAPHS:
             return {"fullgraph": True}
         return {"fullgraph": True, "dynamic": False, **({"mode": "reduce-overhead"} if device.type == "cuda" else {})}
+
+    def _sharded_by_fsdp(self) -> bool:
+        fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing fully_shard made
+        return fsdp is not None and any(isinstance(module, fsdp.FSDPModule) for module in self.modules())
 
     def __getstate__(self):
         # traces and compiled graphs hold the model itself: a copy starts without them
