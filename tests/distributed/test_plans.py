@@ -85,7 +85,7 @@ def _dp_case(level, mode):
         half = ids[2 * rank: 2 * rank + 2]  # each rank its half of the batch
         if mode == "ddp":
             ddp = data_parallel(model, "ddp")
-            assert ddp.model is model
+            assert ddp.model is model and ddp.gradient_as_bucket_view  # no bucket-to-gradient copies
             loss, grads, params = _step(model, ddp.loss, half)  # the loss through DDP's forward
         else:
             data_parallel(model, "fsdp2", mesh=mesh)
