@@ -97,6 +97,12 @@ def idle_report(prof, min_gap_us: float = 20.0, top: int = 25, depth: int = 4) -
              f"{other / 1e3:.2f} ms in other gaps >= {min_gap_us:g} us, {small / 1e3:.2f} ms in shorter gaps",
              f"idle by the CPU ops around the launch that ended it (top {top}; ms, gaps):"]
     lines += [f"  {t / 1e3:8.3f} {counts[c]:5d}  {c}" for c, t in by_cause.most_common(top)]
+    # the profiler's own work (CUPTI's activity buffers, "overhead" events) stalls the host it
+    # profiles: a gap it overlaps is partly the measurement's, not the program's
+    gaps = _union([(start, end) for start, end, _ in idle])
+    profiler = _union([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "overhead"])
+    lines.append(f"idle while the profiler did its own work (overhead events): "
+                 f"{(_length(gaps) - _minus(gaps, profiler)) / 1e3:.3f} ms")
     syncs = collections.Counter()
     for e in events:
         if e.get("cat") in LAUNCH_CATEGORIES and e["name"].startswith(SYNC_NAMES):

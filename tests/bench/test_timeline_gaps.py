@@ -33,6 +33,16 @@ def test_streams_and_exposed_communication(tmp_path):
                           "(exposed), 0.005 ms beside compute")
 
 
+def test_idle_time_the_profiler_caused(tmp_path):
+    # idle over [10, 12]; the profiler's buffer request over [11, 40]: 1 us of the gap is its
+    trace = {"traceEvents": [*TRACE["traceEvents"][:2], {"ph": "X", "cat": "overhead", "name": "Activity Buffer Request",
+                                                          "pid": 0, "tid": 0, "ts": 11, "dur": 29}]}
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    report = load_script("timeline_gaps").idle_report(str(path), min_gap_us=1.0)
+    assert "idle while the profiler did its own work (overhead events): 0.001 ms" in report.splitlines()
+
+
 def test_interval_arithmetic():
     script = load_script("timeline_gaps")
     assert script._union([(5, 7), (0, 2), (1, 3), (7, 8)]) == [(0, 3), (5, 8)]
