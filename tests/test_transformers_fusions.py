@@ -1,5 +1,6 @@
 """kf.patch's fusions inside a transformers decoder layer: the attention's q / k / v projections as one
-GEMM (and what it keeps for the backward), the residual add joined to the post-attention norm.
+GEMM (and what it keeps for the backward), the residual add joined to the post-attention norm, and
+the one after the MLP to the fused MLP's last GEMM.
 The tiny configs and helpers are tests/test_transformers_patch.py's."""
 import pytest
 import torch
@@ -90,6 +91,31 @@ def test_the_residual_add_joins_the_post_attention_norm_where_the_layer_is_llama
     reference = tiny_llama(family=family)
     torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
     assert len(calls) == (model.config.num_hidden_layers if layer_patched else 0)
+
+
+def test_the_residual_add_after_the_mlp_is_the_fused_mlps_unless_the_mlp_is_hooked(monkeypatch):
+    # kf.gated_mlp adds the layer's residual in its last GEMM; an MLP hooked after the patch hands
+    # the hook its own output (the add outside it); the logits stay the unpatched model's
+    model, reference = tiny_llama(), tiny_llama()
+    kf.patch(model)
+    residuals, fused = [], decoders.gated_mlp
+
+    def recording(*args, **kwargs):
+        residuals.append(kwargs.get("residual"))
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(decoders, "gated_mlp", recording)
+    ids = torch.randint(0, 300, (2, 7))
+    want = reference(input_ids=ids).logits
+    torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
+    assert len(residuals) == model.config.num_hidden_layers and all(r is not None for r in residuals)
+    seen = []
+    model.model.layers[1].mlp.register_forward_hook(lambda module, args, out: seen.append((args[0], out)))
+    residuals.clear()
+    torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
+    assert [r is None for r in residuals] == [False, True] and len(seen) == 1
+    normed, out = seen[0]
+    torch.testing.assert_close(out, reference.model.layers[1].mlp(normed), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2", "phi3", "mixtral", "gpt2"])

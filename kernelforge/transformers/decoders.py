@@ -134,8 +134,8 @@ def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_id
     with the residual add before the post-attention norm and the norm in one kf.add_rms_norm: one
     pass writes the sum and its normalized rows (the add's read and write of the sum saved), and
     its backward adds the residual stream's gradient inside the norm's kernel (an add kernel of
-    tokens x hidden saved). The add after the MLP stays torch's: the next layer's norm is another
-    module's call."""
+    tokens x hidden saved). The add after the MLP is the MLP's where this patch took it (and no hook
+    was added since): kf.gated_mlp adds it in its last GEMM."""
     if cache is None:
         cache = kwargs.pop("past_key_values", None)  # the name transformers deprecates for `cache`
     residual = hidden_states
@@ -150,7 +150,10 @@ def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_id
     else:
         hidden_states = residual + hidden_states
         normed = norm(hidden_states)
-    return hidden_states + self.mlp(normed)
+    mlp = self.mlp
+    if mlp.__dict__.get(MARK) and not (mlp._forward_hooks or mlp._forward_pre_hooks):
+        return mlp(normed, residual=hidden_states)
+    return hidden_states + mlp(normed)
 
 
 @functools.lru_cache(maxsize=None)
@@ -175,20 +178,32 @@ def _conv1d_mlp_forward(self, x: torch.Tensor, *, approximate: str) -> torch.Ten
     return self.dropout(self.c_proj(gelu(self.c_fc(x), approximate=approximate)))
 
 
-def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+# The gated MLPs' forwards take the decoder layer's residual (residual= adds it: what
+# _decoder_layer_forward passes to an MLP this patch took), added by the fused MLP's last GEMM
+
+def _plus(residual: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    return out if residual is None else residual + out
 
 
-def _fused_mlp_forward(self, x: torch.Tensor, *, kind: str) -> torch.Tensor:
+def _mlp_forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return _plus(residual, self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x))))
+
+
+def _fused_mlp_forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, *, kind: str) -> torch.Tensor:
     # transformers' own forward for mixed dtypes, and for projections wrapped or hooked after the
     # patch (a LoRA adapter added by PEFT, say): the fused MLP reads the weights, not the modules
     if x.dtype != self.gate_proj.weight.dtype or not plain_linears(self, MLP_PROJECTIONS):
-        return type(self).forward(self, x)
-    return gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, activation=kind)
+        return _plus(residual, type(self).forward(self, x))
+    if residual is not None and (residual.dtype != x.dtype or autocast_matmul_dtype(x.device.type) is not None):
+        # torch's add promotes (a float32 residual stream beside an autocast product): not the GEMM's
+        return residual + gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
+                                    activation=kind)
+    return gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, activation=kind,
+                     residual=residual)
 
 
-def _packed_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    return self.down_proj(swiglu(self.gate_up_proj(x)))
+def _packed_mlp_forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return _plus(residual, self.down_proj(swiglu(self.gate_up_proj(x))))
 
 
 class _ConcatenatedLinear(torch.autograd.Function):

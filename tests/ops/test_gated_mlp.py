@@ -1,7 +1,7 @@
 """kernelforge.gated_mlp against the MLP written out (float64 oracle, the same in the tested dtype as
 the yardstick): every activation, batched and strided x, odd sizes, the gradients of x and the
-three weights, what the backward keeps (gate and up, not the activation), opcheck,
-torch.compile, bad input."""
+three weights, a residual added (and its gradient), what the backward keeps (gate and up, not the
+activation), opcheck, torch.compile, bad input."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -55,6 +55,33 @@ def test_matches_the_written_out_mlp(backend, device, activation):
                 assert_matches_oracle(g, b, w, f"{label} grad {name}", reduced=40 * 14)
 
 
+@pytest.mark.parametrize("backend,device", backend_cases(("reference", "triton")))
+def test_with_a_residual(backend, device):
+    # residual + mlp(x), the add in the down projection's GEMM: a strided residual too, and its
+    # gradient (the output's); float32 and bfloat16 against the float64 oracle
+    for dtype in (torch.float32, torch.bfloat16):
+        for strided in (False, True):
+            x = torch.randn(3, 5, 24, device=device).to(dtype)
+            residual = torch.randn(3, 24, 5, device=device).to(dtype).transpose(1, 2) if strided else \
+                torch.randn(3, 5, 24, device=device).to(dtype)
+            params = [x, *weights(24, 40, 24, device, dtype), residual]
+            mine = [t.detach().clone().requires_grad_() for t in params]
+            same = [t.detach().clone().requires_grad_() for t in params]
+            exact = [t.detach().double().requires_grad_() for t in params]
+            with kf.use_backend(backend):
+                y = kf.gated_mlp(*mine[:4], residual=mine[4])
+            yard, oracle = same[4] + written_out(*same[:4], "silu"), exact[4] + written_out(*exact[:4], "silu")
+            label = f"{backend} {dtype} strided={strided}"
+            assert_matches_oracle(y, yard.detach(), oracle.detach(), label, reduced=40)
+            grad = torch.randn_like(y)
+            with kf.use_backend(backend):
+                got = torch.autograd.grad(y, mine, grad)
+            base, want = torch.autograd.grad(yard, same, grad), torch.autograd.grad(oracle, exact, grad.double())
+            for name, g, b, w in zip(("x", "gate_weight", "up_weight", "down_weight", "residual"), got, base, want):
+                assert g.shape == w.shape and g.dtype == b.dtype, f"{label} grad {name}"
+                assert_matches_oracle(g, b, w, f"{label} grad {name}", reduced=40 * 14)
+
+
 def test_the_backward_keeps_gate_and_up_not_the_activation():
     # what autograd saves for the backward: x, gate, up and the weights; the unfused MLP also
     # keeps act(gate) * up (for the down projection's weight gradient)
@@ -78,7 +105,8 @@ def test_opcheck(backend, device):
     x = torch.randn(2, 3, 8, device=device)
     wg, wu, wd = weights(8, 12, 5, device, torch.float32)
     with kf.use_backend(backend):
-        for args in [(x, wg, wu, wd, "silu"), (x[0].t().contiguous().t(), wg, wu, wd, "gelu_tanh")]:
+        for args in [(x, wg, wu, wd, "silu"), (x[0].t().contiguous().t(), wg, wu, wd, "gelu_tanh"),
+                     (x, wg, wu, wd, "gelu", torch.randn(2, 3, 5, device=device))]:
             torch.library.opcheck(torch.ops.kernelforge.gated_mlp.default, args)
 
 
@@ -87,7 +115,7 @@ def test_compiles_without_graph_breaks():
     ws = [w.requires_grad_() for w in weights(8, 16, 8, "cpu", torch.float32)]
 
     def f(x, *ws):
-        return kf.gated_mlp(x, *ws).square().sum()
+        return kf.gated_mlp(x, *ws, residual=x).square().sum()
 
     torch._dynamo.reset()
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
@@ -108,7 +136,9 @@ def test_under_autocast_like_three_linears(backend, device):
     with kf.use_backend(backend), torch.autocast(device.split(":")[0], dtype=dtype):
         got = kf.gated_mlp(x, *ws)
         want = written_out(x, *ws, "silu")
-    assert got.dtype == want.dtype == dtype
+        with_residual = kf.gated_mlp(x, *ws, residual=x)  # added in the product's dtype, autocast's
+    assert got.dtype == want.dtype == with_residual.dtype == dtype
+    torch.testing.assert_close(with_residual.float(), (got + x.to(dtype)).float(), rtol=2e-2, atol=2e-2)
     exact = [t.detach().double().requires_grad_() for t in (x, *ws)]
     oracle = written_out(*exact, "silu")
     assert_matches_oracle(got, want, oracle, "out", reduced=40)
@@ -136,5 +166,11 @@ def test_bad_input_is_rejected():
         kf.gated_mlp(x, wg, wu, wd.double())
     with pytest.raises(TypeError, match="up_weight must be a tensor"):
         kf.gated_mlp(x, wg, None, wd)
+    with pytest.raises(TypeError, match="residual must be a tensor, got list"):
+        kf.gated_mlp(x, wg, wu, wd, residual=[0.0])
+    with pytest.raises(RuntimeError, match=r"residual must have the output's shape \(4, 8\), got \(4, 7\)"):
+        kf.gated_mlp(x, wg, wu, wd, residual=x[:, :7])
+    with pytest.raises(RuntimeError, match="to have the same dtype"):
+        kf.gated_mlp(x, wg, wu, wd, residual=x.double())
     with pytest.raises(TypeError):
         kf.gated_mlp(x.long(), wg, wu, wd)
