@@ -186,7 +186,8 @@ for stage in $stages; do
       # carried in .whl/cpu/ goes into a site of its own, ahead of the image's numpy for this stage only
       site=/tmp/cpu-site
       [ -d .whl/cpu ] && install_wheels "$site" .whl/cpu/*.whl
-      PYTHONPATH="$site:$PYTHONPATH" CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 timeout "${CPU_TESTS_TIMEOUT:-500}" \
+      # SIGINT at the limit: pytest still prints its summary (which tests failed) before it exits
+      PYTHONPATH="$site:$PYTHONPATH" CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 timeout -s INT -k 30 "${CPU_TESTS_TIMEOUT:-500}" \
         python3 -m pytest -m "not gpu" -q -p no:cacheprovider -rfEs -n "${CPU_TESTS_WORKERS:-12}" --dist loadfile \
         ${CPU_TESTS:-tests} > "$R/cpu-tests.log" 2>&1
       status=$(( status | $? )); grep -E "^(FAILED|ERROR)" "$R/cpu-tests.log" | head -40; tail -n 2 "$R/cpu-tests.log" ;;

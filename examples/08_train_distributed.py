@@ -433,6 +433,7 @@ def main(argv=None) -> int:
             if dp > 1:  # the mean of equal slices' means (each tp rank of a slice holds it): the global batch's
                 dist.all_reduce(value)
                 value /= world
+            value = value.item()  # waits for the device: the steps timed are the steps done, not launched
             elapsed = time.perf_counter() - last_time
             rate = local_batch * args.seq_len * (step - last_step) / elapsed
             memory, how = peak_memory_mib(device)
@@ -440,7 +441,7 @@ def main(argv=None) -> int:
                 peak = torch.tensor([memory], dtype=torch.float64, device=device)
                 dist.all_reduce(peak, op=dist.ReduceOp.MAX)
                 memory = peak.item()
-            say(f"step {step}/{args.steps}  loss {value.item():.12g}  {tok_label} {rate:.0f}  "
+            say(f"step {step}/{args.steps}  loss {value:.12g}  {tok_label} {rate:.0f}  "
                 f"peak mem/rank {memory:.1f} MiB ({how})", flush=True)
             last_time, last_step = time.perf_counter(), step
         if (args.checkpoint_every and step % args.checkpoint_every == 0) or step == args.steps:
