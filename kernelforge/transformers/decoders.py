@@ -150,10 +150,9 @@ def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_id
     else:
         hidden_states = residual + hidden_states
         normed = norm(hidden_states)
-    mlp = self.mlp
-    if mlp.__dict__.get(MARK) and not (mlp._forward_hooks or mlp._forward_pre_hooks):
-        return mlp(normed, residual=hidden_states)
-    return hidden_states + mlp(normed)
+    if _takes_residual(self.mlp):
+        return self.mlp(normed, residual=hidden_states)
+    return hidden_states + self.mlp(normed)
 
 
 @functools.lru_cache(maxsize=None)
@@ -204,6 +203,18 @@ def _fused_mlp_forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] =
 
 def _packed_mlp_forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     return _plus(residual, self.down_proj(swiglu(self.gate_up_proj(x))))
+
+
+_RESIDUAL_MLP_FORWARDS = (_mlp_forward, _fused_mlp_forward, _packed_mlp_forward)
+
+
+def _takes_residual(mlp) -> bool:
+    """The MLP runs one of this patch's forwards above (bound by Patcher.take; a partial's function
+    under __wrapped__), not replaced since (a tensor-parallel plan's, whose output is a partial sum
+    the residual must not join before its all-reduce) and not hooked since (a hook sees mlp(x))."""
+    forward = getattr(mlp.__dict__.get("forward"), "__func__", None)
+    return (getattr(forward, "__wrapped__", forward) in _RESIDUAL_MLP_FORWARDS
+            and not (mlp._forward_hooks or mlp._forward_pre_hooks))
 
 
 class _ConcatenatedLinear(torch.autograd.Function):
@@ -298,10 +309,12 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
 
 
 def _head_forward(self, x: torch.Tensor) -> torch.Tensor:
-    # getattr, not __dict__.get: under torch.compile Dynamo sees the flag _causal_lm_forward set in
-    # the same graph through getattr (torch 2.11's read the module's dict as it was before the call:
-    # the head made logits and the fused loss got them as hidden states, its shape check refused)
-    if getattr(self, "_kernelforge_pass_hidden", False):
+    # a plain attribute read of an attribute the patch made (False): under torch.compile Dynamo then
+    # sees the value _causal_lm_forward set in the same graph. Read from the module's dict, or by
+    # getattr with a default while the attribute did not exist yet, torch 2.11's Dynamo took the
+    # value the module had before the call: the head made logits and the fused loss, given them as
+    # hidden states, refused them
+    if self._kernelforge_pass_hidden:
         return x
     if is_dtensor(self.weight) and not is_dtensor(x):  # split by the vocabulary (transformers_plans' head="vocab")
         from kernelforge.distributed.vocab_parallel_fused import vocab_parallel_logits
@@ -477,6 +490,7 @@ def patch(model: torch.nn.Module, model_type: str) -> Replacements:
         if reason is None:
             take("lm_head", model.lm_head, _head_forward,
                  "passes the hidden states to the fused loss when labels are given")
+            model.lm_head._kernelforge_pass_hidden = False  # _head_forward's flag, made here (its comment)
             take("", model, _causal_lm_forward, "loss with labels -> kf.fused_linear_cross_entropy (logits None)")
         else:
             patcher.skip("", model, reason)
