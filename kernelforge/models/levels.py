@@ -14,7 +14,7 @@ and a sixth, the fastest way kernelforge knows to run the model:
                  elsewhere (FastestKernels says which, and the measurement behind each: today only
                  the loss), captured in CUDA graphs (mode="reduce-overhead") on a GPU where the
                  model's CUDA_GRAPHS says so (all but the GNN, whose batches change shape; and not
-                 a model sharded by FSDP2, compiled in graphs between fully_shard's hooks). As with
+                 a model sharded by FSDP2, whose sharded layers compile one by one). As with
                  any CUDA-graphed model, a call's outputs live in the graphs' memory until the next
                  call reuses it: clone what you keep across calls (reading a reused output raises),
                  and train with zero_grad(set_to_none=True)
@@ -342,6 +342,11 @@ def _signature(inputs) -> tuple:
                  else _signature(t) if isinstance(t, (tuple, list)) else t for t in inputs)
 
 
+def _is_fsdp_module(module) -> bool:
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing fully_shard made
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
+
+
 class LevelledModel(Component):
     """A model that runs at one of LEVELS. Subclasses compute in methods named by `run`;
     `forward` runs `compute` at the model's level."""
@@ -387,15 +392,21 @@ class LevelledModel(Component):
         non-reentrant torch.utils.checkpoint. The recomputation runs in the backward, after run()
         put torch's kernel set back: it runs with the kernel set of the forward (and the backend
         preference of the backward's kernel_scope), so the activations it makes again are the
-        forward's. Under torch.compile the compiler plans the recomputation inside the graph."""
+        forward's. Under torch.compile the compiler plans the recomputation inside the graph. At
+        the fastest level a layer fully_shard made runs compiled on its own, its hooks outside."""
+        call = layer
+        if self._level == FASTEST and _is_fsdp_module(layer) and not torch.compiler.is_compiling():
+            call = self._wrapped.get(layer)
+            if call is None:  # as nn.Module.compile() would, without setting it on the layer
+                call = self._wrapped[layer] = torch.compile(layer._call_impl, fullgraph=True)
         if not (self.activation_checkpointing and torch.is_grad_enabled() and not torch.jit.is_tracing()):
-            return layer(x)
+            return call(x)
         from torch.utils.checkpoint import checkpoint
 
         if torch.compiler.is_compiling():
-            return checkpoint(layer, x, use_reentrant=False)
+            return checkpoint(call, x, use_reentrant=False)
         ops = self.kernels.ops
-        return checkpoint(layer, x, use_reentrant=False,
+        return checkpoint(call, x, use_reentrant=False,
                           context_fn=lambda: (contextlib.nullcontext(), _KernelSet(self.kernels, ops)))
 
     def kernel_scope(self):
@@ -438,19 +449,10 @@ class LevelledModel(Component):
 
     def whole_graph_options(self, device: torch.device) -> dict:
         """torch.compile's options for a whole-graph method on `device`: one graph, and with
-        CUDA_GRAPHS static shapes and, on a GPU, CUDA graphs (mode="reduce-overhead"). A model
-        sharded by FSDP2 (fully_shard) compiles in graphs between fully_shard's hooks (the
-        parameters' all-gathers and the gradients' reduce-scatters, which Dynamo does not trace), no
-        CUDA graphs: their all-gathered parameters are new tensors every step."""
-        if self._sharded_by_fsdp():
-            return {}
+        CUDA_GRAPHS static shapes and, on a GPU, CUDA graphs (mode="reduce-overhead")."""
         if not self.CUDA_GRAPHS:
             return {"fullgraph": True}
         return {"fullgraph": True, "dynamic": False, **({"mode": "reduce-overhead"} if device.type == "cuda" else {})}
-
-    def _sharded_by_fsdp(self) -> bool:
-        fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing fully_shard made
-        return fsdp is not None and any(isinstance(module, fsdp.FSDPModule) for module in self.modules())
 
     def __getstate__(self):
         # traces and compiled graphs hold the model itself: a copy starts without them
@@ -471,6 +473,10 @@ class LevelledModel(Component):
                 return getattr(self, method)(*inputs)
         if level == FASTEST:
             with _KernelSet(self.kernels, FASTEST_KERNELS):
+                if any(map(_is_fsdp_module, self.modules())):  # one graph would break at fully_shard's hooks and run
+                    # uncompiled: each sharded layer compiles apart (layer_call), the rest eager, no
+                    # CUDA graphs (the all-gathered parameters are new tensors every step)
+                    return getattr(self, method)(*inputs)
                 compiled = self._compiled(method, inputs, whole=True)
                 if self.CUDA_GRAPHS and any(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs):
                     # each call a new step of the CUDA graphs: the last call's outputs may be reused

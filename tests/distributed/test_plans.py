@@ -6,7 +6,8 @@ batch) against the one-process run of the same model on the full batch: the loss
 parameter's gradient and updated value (DTensors gathered with full_tensor()); greedy generation
 tensor-parallel against the unsharded model's tokens and KV cache. A second, 4-process job on a
 (dp, tp) = (2, 2) mesh: FSDP2 x TP (with and without sequence parallelism) against one process on
-the full batch, and data_parallel's refusals on a tensor-parallel model."""
+the full batch, and data_parallel's refusals on a tensor-parallel model. FSDP2 at the fastest level
+too: its layers compiled one by one, no graph break."""
 from __future__ import annotations
 
 import copy
@@ -98,6 +99,29 @@ def _dp_case(level, mode):
     return case
 
 
+def _fsdp2_fastest_case(mesh):
+    # the fastest level on a model fully_shard made: each layer compiled on its own with its hooks
+    # outside the graph (one graph of the whole loss broke at the hooks and ran uncompiled): no graph
+    # break, and the step of the unsharded model at the reference level
+    import torch.distributed as dist
+    from kernelforge.distributed.plans import data_parallel
+    from torch._dynamo.utils import counters
+
+    model = _model("reference")
+    ids = torch.randint(0, 32, (4, 9))
+    reference = copy.deepcopy(model)
+    expected = _step(reference, reference.loss, ids)
+    rank = dist.get_rank()
+    data_parallel(model, "fsdp2", mesh=mesh)
+    model.set_level("fastest")
+    counters.clear()
+    loss, grads, params = _step(model, model.loss, ids[2 * rank: 2 * rank + 2])
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] >= 1, dict(counters)
+    loss = loss.clone()
+    dist.all_reduce(loss)
+    assert_same_step((loss / 2, grads, params), expected)
+
+
 def _generate_case(level, sequence_parallel=False):
     def case(mesh):
         import torch.distributed as dist
@@ -127,6 +151,7 @@ def _cases():
         cases[f"fsdp2-{level}"] = _dp_case(level, "fsdp2")
         cases[f"generate-tensor-parallel-{level}"] = _generate_case(level)
         cases[f"generate-sequence-parallel-{level}"] = _generate_case(level, sequence_parallel=True)
+    cases["fsdp2-fastest"] = _fsdp2_fastest_case
     return cases
 
 
