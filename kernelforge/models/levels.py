@@ -14,7 +14,8 @@ and a sixth, the fastest way kernelforge knows to run the model:
                  elsewhere (FastestKernels says which, and the measurement behind each: today only
                  the loss), captured in CUDA graphs (mode="reduce-overhead") on a GPU where the
                  model's CUDA_GRAPHS says so (all but the GNN, whose batches change shape; and not
-                 a model sharded by FSDP2, whose sharded layers compile one by one). As with
+                 a model sharded by FSDP2, which compiles layer by layer here and at the compile
+                 level). As with
                  any CUDA-graphed model, a call's outputs live in the graphs' memory until the next
                  call reuses it: clone what you keep across calls (reading a reused output raises),
                  and train with zero_grad(set_to_none=True)
@@ -151,6 +152,7 @@ def _signature(inputs) -> tuple:
 
 
 _SHARDED = ("sharded by fsdp",)  # LevelledModel._wrapped's key of _sharded_by_fsdp's answer
+COMPILED_LEVELS = ("compile", FASTEST)  # the levels that compile a model fully_shard made layer by layer
 
 
 def _is_fsdp_module(module) -> bool:
@@ -160,7 +162,7 @@ def _is_fsdp_module(module) -> bool:
 
 def _sharded_by_fsdp(model) -> bool:
     """Whether fully_shard made any of the model's modules (70 us at 150 modules: run() asks once a
-    level; shard a model before its first call at the fastest level, or set its level again)."""
+    level; shard a model before its first call at a compiled level, or set its level again)."""
     return any(map(_is_fsdp_module, model.modules()))
 
 
@@ -210,12 +212,13 @@ class LevelledModel(Component):
         put torch's kernel set back: it runs with the kernel set of the forward (and the backend
         preference of the backward's kernel_scope), so the activations it makes again are the
         forward's. Under torch.compile the compiler plans the recomputation inside the graph. At
-        the fastest level a layer fully_shard made runs compiled on its own, its hooks outside."""
+        the compile and fastest levels a layer fully_shard made runs compiled on its own, its hooks
+        outside the graph (_compiles_layerwise)."""
         call = layer
-        if self._level == FASTEST and _is_fsdp_module(layer) and not torch.compiler.is_compiling():
+        if self._level in COMPILED_LEVELS and _is_fsdp_module(layer) and not torch.compiler.is_compiling():
             call = self._wrapped.get(layer)
             if call is None:  # as nn.Module.compile() would, without setting it on the layer
-                call = self._wrapped[layer] = torch.compile(layer._call_impl, fullgraph=True)
+                call = self._wrapped[layer] = torch.compile(layer._call_impl, fullgraph=self._level == FASTEST)
         if not (self.activation_checkpointing and torch.is_grad_enabled() and not torch.jit.is_tracing()):
             return call(x)
         from torch.utils.checkpoint import checkpoint
@@ -225,6 +228,18 @@ class LevelledModel(Component):
         ops = self.kernels.ops
         return checkpoint(call, x, use_reentrant=False,
                           context_fn=lambda: (contextlib.nullcontext(), _KernelSet(self.kernels, ops)))
+
+    def _compiles_layerwise(self) -> bool:
+        """Whether fully_shard made modules of this model, which then compiles layer by layer at the
+        compile and fastest levels (layer_call; the rest of a method eagerly, no CUDA graphs: the
+        all-gathered parameters are new tensors every step). Why: one graph of a whole method
+        breaks at fully_shard's hooks, which Dynamo does not trace, inside a layer's call, where
+        it cannot resume, and runs the method uncompiled (FSDP2 at the fastest level: 0.25x one
+        GPU on two H200s)."""
+        sharded = self._wrapped.get(_SHARDED)
+        if sharded is None:
+            sharded = self._wrapped[_SHARDED] = _sharded_by_fsdp(self)
+        return sharded
 
     def kernel_scope(self):
         """The backend preference of a kernelforge level (a null context at the other levels: the
@@ -290,12 +305,7 @@ class LevelledModel(Component):
                 return getattr(self, method)(*inputs)
         if level == FASTEST:
             with _KernelSet(self.kernels, FASTEST_KERNELS):
-                sharded = self._wrapped.get(_SHARDED)
-                if sharded is None:
-                    sharded = self._wrapped[_SHARDED] = _sharded_by_fsdp(self)
-                if sharded:  # one graph would break at fully_shard's hooks and run uncompiled: each
-                    # sharded layer compiles apart (layer_call), the rest eagerly, no CUDA graphs
-                    # (the all-gathered parameters are new tensors every step)
+                if self._compiles_layerwise():
                     return getattr(self, method)(*inputs)
                 compiled = self._compiled(method, inputs, whole=True)
                 if self.CUDA_GRAPHS and any(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs):
@@ -303,7 +313,7 @@ class LevelledModel(Component):
                     torch.compiler.cudagraph_mark_step_begin()
                 return compiled(*inputs)
         self.kernels.ops = TORCH_KERNELS
-        if level == "native":
+        if level == "native" or (level == "compile" and self._compiles_layerwise()):
             return getattr(self, method)(*inputs)
         if level == "compile":
             return self._compiled(method, inputs, whole=method in self.WHOLE_GRAPH_METHODS)(*inputs)

@@ -6,8 +6,8 @@ batch) against the one-process run of the same model on the full batch: the loss
 parameter's gradient and updated value (DTensors gathered with full_tensor()); greedy generation
 tensor-parallel against the unsharded model's tokens and KV cache. A second, 4-process job on a
 (dp, tp) = (2, 2) mesh: FSDP2 x TP (with and without sequence parallelism) against one process on
-the full batch, and data_parallel's refusals on a tensor-parallel model. FSDP2 at the fastest level
-too: its layers compiled one by one, no graph break."""
+the full batch, and data_parallel's refusals on a tensor-parallel model. FSDP2 at the compile and
+fastest levels too: its layers compiled one by one, no graph break."""
 from __future__ import annotations
 
 import copy
@@ -99,10 +99,14 @@ def _dp_case(level, mode):
     return case
 
 
-def _fsdp2_fastest_case(mesh):
-    # the fastest level on a model fully_shard made: each layer compiled on its own with its hooks
-    # outside the graph (one graph of the whole loss broke at the hooks and ran uncompiled): no graph
-    # break, and the step of the unsharded model at the reference level
+def _fsdp2_compiled_case(level):
+    # the compile and fastest levels on a model fully_shard made: each layer compiled on its own
+    # with its hooks outside the graph (one graph of the whole loss broke at the hooks and ran
+    # uncompiled): no graph break, and the step of the unsharded model at the reference level
+    return lambda mesh: _fsdp2_compiled_step(mesh, level)
+
+
+def _fsdp2_compiled_step(mesh, level):
     import torch.distributed as dist
     from kernelforge.distributed.plans import data_parallel
     from torch._dynamo.utils import counters
@@ -113,7 +117,7 @@ def _fsdp2_fastest_case(mesh):
     expected = _step(reference, reference.loss, ids)
     rank = dist.get_rank()
     data_parallel(model, "fsdp2", mesh=mesh)
-    model.set_level("fastest")
+    model.set_level(level)
     counters.clear()
     loss, grads, params = _step(model, model.loss, ids[2 * rank: 2 * rank + 2])
     assert not counters["graph_break"] and counters["stats"]["unique_graphs"] >= 1, dict(counters)
@@ -151,7 +155,7 @@ def _cases():
         cases[f"fsdp2-{level}"] = _dp_case(level, "fsdp2")
         cases[f"generate-tensor-parallel-{level}"] = _generate_case(level)
         cases[f"generate-sequence-parallel-{level}"] = _generate_case(level, sequence_parallel=True)
-    cases["fsdp2-fastest"] = _fsdp2_fastest_case
+    cases.update({f"fsdp2-{level}-layerwise": _fsdp2_compiled_case(level) for level in ("compile", "fastest")})
     return cases
 
 
