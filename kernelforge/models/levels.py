@@ -151,7 +151,6 @@ def _signature(inputs) -> tuple:
                  else _signature(t) if isinstance(t, (tuple, list)) else t for t in inputs)
 
 
-_SHARDED = ("sharded by fsdp",)  # LevelledModel._wrapped's key of _sharded_by_fsdp's answer
 COMPILED_LEVELS = ("compile", FASTEST)  # the levels that compile a model fully_shard made layer by layer
 
 
@@ -204,6 +203,7 @@ class LevelledModel(Component):
                 raise LevelUnavailableError(f"{type(self).__name__}(level={level!r}): no CUDA GPU is visible; {why}")
         self._level = level
         self._wrapped = {}
+        self._sharded = None  # _compiles_layerwise's answer, asked again at a new level
         return self
 
     def layer_call(self, layer, x):
@@ -236,10 +236,9 @@ class LevelledModel(Component):
         breaks at fully_shard's hooks, which Dynamo does not trace, inside a layer's call, where
         it cannot resume, and runs the method uncompiled (FSDP2 at the fastest level: 0.25x one
         GPU on two H200s)."""
-        sharded = self._wrapped.get(_SHARDED)
-        if sharded is None:
-            sharded = self._wrapped[_SHARDED] = _sharded_by_fsdp(self)
-        return sharded
+        if self._sharded is None:
+            self._sharded = _sharded_by_fsdp(self)
+        return self._sharded
 
     def kernel_scope(self):
         """The backend preference of a kernelforge level (a null context at the other levels: the
@@ -288,7 +287,7 @@ class LevelledModel(Component):
 
     def __getstate__(self):
         # traces and compiled graphs hold the model itself: a copy starts without them
-        return {**self.__dict__, "_wrapped": {}}
+        return {**self.__dict__, "_wrapped": {}, "_sharded": None}
 
     def forward(self, *inputs):
         return self.run("compute", *inputs)
