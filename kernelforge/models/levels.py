@@ -215,7 +215,8 @@ class LevelledModel(Component):
         the compile and fastest levels a layer fully_shard made runs compiled on its own, its hooks
         outside the graph (_compiles_layerwise)."""
         call = layer
-        if self._level in COMPILED_LEVELS and _is_fsdp_module(layer) and not torch.compiler.is_compiling():
+        # is_compiling first: inside a whole-model graph Dynamo need not trace the rest
+        if not torch.compiler.is_compiling() and self._level in COMPILED_LEVELS and _is_fsdp_module(layer):
             call = self._wrapped.get(layer)
             if call is None:  # as nn.Module.compile() would, without setting it on the layer
                 call = self._wrapped[layer] = torch.compile(layer._call_impl, fullgraph=self._level == FASTEST)
