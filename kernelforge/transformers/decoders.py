@@ -177,9 +177,7 @@ def _conv1d_mlp_forward(self, x: torch.Tensor, *, approximate: str) -> torch.Ten
     return self.dropout(self.c_proj(gelu(self.c_fc(x), approximate=approximate)))
 
 
-# The gated MLPs' forwards take the decoder layer's residual (residual= adds it: what
-# _decoder_layer_forward passes to an MLP this patch took), added by the fused MLP's last GEMM
-
+# The gated MLPs' forwards add the decoder layer's residual= (the fused one in its last GEMM)
 def _plus(residual: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     return out if residual is None else residual + out
 
