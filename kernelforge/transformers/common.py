@@ -35,6 +35,14 @@ def _as_function(forward: Callable) -> Callable:
     return bound
 
 
+def patched_function(module: torch.nn.Module):
+    """The function Patcher.take bound as the module's forward (for a partial, its function; the
+    closure _as_function makes keeps it under __wrapped__), or None: not patched, or replaced since
+    (a tensor-parallel plan's forward, a user's)."""
+    forward = getattr(module.__dict__.get("forward"), "__func__", None)
+    return getattr(forward, "__wrapped__", forward)
+
+
 class Patcher:
     """Collects what one patch replaced and skipped."""
 
@@ -86,4 +94,5 @@ def plain_linears(module: torch.nn.Module, names, bias: bool = False) -> bool:
     return True
 
 
-__all__ = ["GELU_APPROXIMATIONS", "MARK", "Patcher", "layer_norm_forward", "plain_linears", "untested_version"]
+__all__ = ["GELU_APPROXIMATIONS", "MARK", "Patcher", "layer_norm_forward", "patched_function", "plain_linears",
+           "untested_version"]

@@ -61,8 +61,8 @@ from kernelforge.ops.linear_cross_entropy import fused_linear_cross_entropy
 from kernelforge.ops.norms import add_rms_norm, rms_norm
 from kernelforge.ops.rope import rope
 from kernelforge.transformers import attention
-from kernelforge.transformers.common import (GELU_APPROXIMATIONS, MARK, Patcher, layer_norm_forward, plain_linears,
-                                             untested_version)
+from kernelforge.transformers.common import (GELU_APPROXIMATIONS, MARK, Patcher, layer_norm_forward, patched_function,
+                                             plain_linears, untested_version)
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def _offset_rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
 def _norm_fused_with_the_add(norm, x: torch.Tensor, residual: torch.Tensor):
     """(weight, eps, offset) of an RMSNorm this patch took whose inputs share its weight's dtype:
     add_rms_norm computes it with the residual add; else None."""
-    forward = getattr(norm.__dict__.get("forward"), "__func__", None)
+    forward = patched_function(norm)
     if forward is _rms_norm_forward:
         eps, offset = norm.variance_epsilon, 0.0
     elif forward is _offset_rms_norm_forward:
@@ -207,12 +207,10 @@ _RESIDUAL_MLP_FORWARDS = (_mlp_forward, _fused_mlp_forward, _packed_mlp_forward)
 
 
 def _takes_residual(mlp) -> bool:
-    """The MLP runs one of this patch's forwards above (bound by Patcher.take; a partial's function
-    under __wrapped__), not replaced since (a tensor-parallel plan's, whose output is a partial sum
-    the residual must not join before its all-reduce) and not hooked since (a hook sees mlp(x))."""
-    forward = getattr(mlp.__dict__.get("forward"), "__func__", None)
-    return (getattr(forward, "__wrapped__", forward) in _RESIDUAL_MLP_FORWARDS
-            and not (mlp._forward_hooks or mlp._forward_pre_hooks))
+    """The MLP runs one of this patch's forwards above, not replaced since (a tensor-parallel plan's,
+    whose output is a partial sum the residual must not join before its all-reduce) and not hooked
+    since (a hook sees mlp(x))."""
+    return patched_function(mlp) in _RESIDUAL_MLP_FORWARDS and not (mlp._forward_hooks or mlp._forward_pre_hooks)
 
 
 class _ConcatenatedLinear(torch.autograd.Function):
