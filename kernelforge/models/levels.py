@@ -15,10 +15,9 @@ and a sixth, the fastest way kernelforge knows to run the model:
                  the loss), captured in CUDA graphs (mode="reduce-overhead") on a GPU where the
                  model's CUDA_GRAPHS says so (all but the GNN, whose batches change shape; and not
                  a model sharded by FSDP2, which compiles layer by layer here and at the compile
-                 level). As with
-                 any CUDA-graphed model, a call's outputs live in the graphs' memory until the next
-                 call reuses it: clone what you keep across calls (reading a reused output raises),
-                 and train with zero_grad(set_to_none=True)
+                 level). As with any CUDA-graphed model, a call's outputs live in the graphs' memory
+                 until the next call reuses it: clone what you keep across calls (reading a reused
+                 output raises), and train with zero_grad(set_to_none=True)
 
 Every level runs the same modules with the same parameters. A model's components call the few
 functions that differ between levels through a kernel set (`TorchKernels` or
